@@ -1,0 +1,413 @@
+"""The ``download`` job: fetch GGUF files from the Hugging Face Hub.
+
+Files go into the hub cache through ``huggingface_hub`` (so the library finds
+them by itself), one after the other, with progress events (bytes done and
+total, rate, ETA) at least every half second and at every file boundary.
+
+- Choice: glob ``patterns``, a ``quant`` name (the matching file or complete
+  shard set) or the repo's only GGUF model; plus its vision projector.
+- Preflight: the bytes still to fetch (files whose blob is already cached are
+  subtracted) must fit the free disk of the cache, else the job fails before
+  downloading, or with ``fallback_smaller`` takes the largest smaller variant
+  that fits.
+- Cancel: SIGTERM stops within one read chunk; the partial file is removed
+  and files already finished stay cached, so a rerun fetches only the rest.
+- ``HF_HUB_OFFLINE``: nothing is fetched; the job succeeds only when the
+  chosen files are already cached.
+- The token comes from ``HF_TOKEN`` in the job's environment (the parent puts
+  its setting there). It is never written to events, logs or errors.
+
+Run by the jobs dispatcher as ``run(io, params, ctx)``; ``python -m
+jobs.download`` runs it standalone with the same stdin/stdout protocol.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+import msgspec
+
+from jobs.context import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_STOPPED,
+    JobContext,
+    JobError,
+    JobStopped,
+    check_stop,
+)
+from jobs.download_params import DownloadParams
+from jobs.events import JobIO
+from supervisor.library import group_gguf_files, hf_model_id, model_stem
+
+# Read granularity: progress and cancel react within one chunk.
+CHUNK_BYTES = 1024 * 1024
+# Kept free on the cache's disk beyond the files themselves.
+DISK_MARGIN_BYTES = 64 * 1024 * 1024
+PROGRESS_INTERVAL_S = 0.5
+
+
+class RemoteFile(msgspec.Struct, frozen=True):
+    path: str
+    size: int
+    blob: str  # the cache's blob name: LFS sha256, else the git blob id
+
+
+class Plan(msgspec.Struct):
+    files: list[RemoteFile]
+    cached: list[str]  # paths whose blob is already in the cache
+    model_key: str | None  # the GGUF model chosen, when the choice was by model
+
+    @property
+    def to_fetch(self) -> int:
+        return sum(f.size for f in self.files if f.path not in self.cached)
+
+
+def redact(text: str, secret: str | None) -> str:
+    return text.replace(secret, "***") if secret else text
+
+
+def quant_matches(stem: str, quant: str) -> bool:
+    """``Q4_K`` matches ``x-Q4_K`` but not ``x-Q4_K_M``; ``Q4_XS`` not ``IQ4_XS``."""
+    pattern = rf"(?<![A-Za-z0-9]){re.escape(quant)}(?![A-Za-z0-9_])"
+    return re.search(pattern, stem, re.IGNORECASE) is not None
+
+
+def _variants(files: Sequence[RemoteFile]) -> tuple[dict[str, list[RemoteFile]], list[RemoteFile]]:
+    by_path = {f.path: f for f in files}
+    models, projectors = group_gguf_files(by_path)
+    complete = {k: [by_path[p] for p in v] for k, v in models.items() if v}
+    return complete, [by_path[p] for p in projectors]
+
+
+def _projector(projectors: list[RemoteFile]) -> list[RemoteFile]:
+    if not projectors:
+        return []
+    f16 = [p for p in projectors if "f16" in p.path.lower()]
+    return [sorted(f16 or projectors, key=lambda p: p.path)[0]]
+
+
+def choose_files(
+    files: Sequence[RemoteFile], params: DownloadParams
+) -> tuple[list[RemoteFile], str | None]:
+    """The files to fetch and the GGUF model key they make up (if any)."""
+    if params.patterns:
+        chosen = [f for f in files if any(fnmatch.fnmatch(f.path, p) for p in params.patterns)]
+        if not chosen:
+            raise JobError(f"no file in {params.repo_id} matches {', '.join(params.patterns)}")
+        return chosen, None
+    variants, projectors = _variants(files)
+    if not variants:
+        raise JobError(f"{params.repo_id} has no complete GGUF model")
+    if params.quant is not None:
+        keys = [k for k in variants if quant_matches(model_stem(k + ".gguf"), params.quant)]
+        if not keys:
+            raise JobError(
+                f"{params.repo_id} has no {params.quant} file;"
+                f" available: {', '.join(sorted(variants))}"
+            )
+        if len(keys) > 1:
+            raise JobError(
+                f"{params.quant} is ambiguous in {params.repo_id}: {', '.join(sorted(keys))}"
+            )
+    elif len(variants) == 1:
+        keys = list(variants)
+    else:
+        raise JobError(
+            f"{params.repo_id} has {len(variants)} GGUF models; choose one with quant or patterns:"
+            f" {', '.join(sorted(variants))}"
+        )
+    extra = _projector(projectors) if params.mmproj else []
+    return variants[keys[0]] + extra, keys[0]
+
+
+def cache_repo_dir(cache_dir: Path, repo_id: str) -> Path:
+    return cache_dir / ("models--" + repo_id.replace("/", "--"))
+
+
+def cached_blobs(cache_dir: Path, repo_id: str, files: Sequence[RemoteFile]) -> list[str]:
+    """Paths of ``files`` whose blob is already complete in the cache."""
+    blobs = cache_repo_dir(cache_dir, repo_id) / "blobs"
+    out = []
+    for f in files:
+        blob = blobs / f.blob
+        if blob.is_file() and blob.stat().st_size == f.size:
+            out.append(f.path)
+    return out
+
+
+def free_disk(path: Path) -> int:
+    """Free bytes on the disk that holds (or will hold) ``path``."""
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def plan_download(
+    files: Sequence[RemoteFile],
+    params: DownloadParams,
+    cache_dir: Path,
+    free_bytes: int,
+    log: Callable[[str], None],
+) -> Plan:
+    """Choose the files and check they fit on disk (or fall back to a smaller variant)."""
+    chosen, key = choose_files(files, params)
+    plan = Plan(chosen, cached_blobs(cache_dir, params.repo_id, chosen), key)
+    if plan.to_fetch + DISK_MARGIN_BYTES <= free_bytes:
+        return plan
+    need = (
+        f"{params.repo_id}: {_gb(plan.to_fetch)} to download but only {_gb(free_bytes)}"
+        " free on the cache disk"
+    )
+    if not params.fallback_smaller or key is None:
+        raise JobError(f"not enough disk space: {need}")
+    variants, projectors = _variants(files)
+    size = sum(f.size for f in variants[key])
+    smaller = sorted(
+        ((sum(f.size for f in v), k) for k, v in variants.items() if sum(f.size for f in v) < size),
+        reverse=True,
+    )
+    extra = _projector(projectors) if params.mmproj else []
+    for _, other in smaller:
+        candidate = variants[other] + extra
+        alt = Plan(candidate, cached_blobs(cache_dir, params.repo_id, candidate), other)
+        if alt.to_fetch + DISK_MARGIN_BYTES <= free_bytes:
+            log(f"not enough disk for {key}; falling back to {other}")
+            return alt
+    raise JobError(f"not enough disk space even for the smallest variant: {need}")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+class Reporter:
+    """Turns byte counts from the download threads into throttled progress events."""
+
+    def __init__(self, io: JobIO, total: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._io = io
+        self._total = total
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._done = 0
+        self._file = ""
+        self._index = 0
+        self._count = 0
+        self._last = 0.0
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def start_file(self, name: str, index: int, count: int) -> None:
+        with self._lock:
+            self._file, self._index, self._count = name, index, count
+        self.emit(force=True)
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._done += n
+        if self._io.stop_requested:
+            raise JobStopped(f"stopped on request while downloading {self._file}")
+        self.emit()
+
+    def emit(self, *, force: bool = False) -> None:
+        with self._lock:
+            now = self._clock()
+            if not force and now - self._last < PROGRESS_INTERVAL_S:
+                return
+            self._last = now
+            self._samples.append((now, self._done))
+            while len(self._samples) > 2 and now - self._samples[0][0] > 5.0:
+                self._samples.popleft()
+            t0, b0 = self._samples[0]
+            rate = (self._done - b0) / (now - t0) if now > t0 else 0.0
+            left = max(self._total - self._done, 0)
+            data: dict[str, Any] = dict(
+                bytes_done=self._done,
+                bytes_total=self._total,
+                rate=round(rate, 1),
+                eta_s=round(left / rate, 1) if rate > 0 else None,
+                file=self._file,
+                file_index=self._index,
+                files=self._count,
+            )
+            fraction = self._done / self._total if self._total else 1.0
+        self._io.progress(fraction, **data)
+
+
+class _ByteBar:
+    """Stands in for tqdm inside huggingface_hub: forwards bytes to the reporter."""
+
+    def __init__(self, reporter: Reporter, **_: Any) -> None:
+        self._reporter = reporter
+
+    def update(self, n: float = 1) -> None:
+        self._reporter.add(int(n))
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def __enter__(self) -> _ByteBar:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def _remote_files(params: DownloadParams, token: str | None) -> tuple[str, list[RemoteFile]]:
+    """(commit, files) of the repo at the revision, with sizes and blob ids."""
+    from huggingface_hub import HfApi
+
+    info = HfApi(token=token).model_info(
+        params.repo_id, revision=params.revision, files_metadata=True
+    )
+    files = []
+    for s in info.siblings or []:
+        if s.lfs is not None:
+            files.append(RemoteFile(s.rfilename, s.lfs.size, s.lfs.sha256))
+        elif s.size is not None and s.blob_id is not None:
+            files.append(RemoteFile(s.rfilename, s.size, s.blob_id))
+    return info.sha or params.revision, files
+
+
+def _offline(io: JobIO, params: DownloadParams, cache_dir: Path) -> dict[str, object]:
+    """HF_HUB_OFFLINE: succeed only if the choice is already in the cache."""
+    repo = cache_repo_dir(cache_dir, params.repo_id)
+    ref = repo / "refs" / params.revision
+    commit = ref.read_text().strip() if ref.is_file() else params.revision
+    snapshot = repo / "snapshots" / commit
+    if not snapshot.is_dir():
+        raise JobError(
+            f"offline (HF_HUB_OFFLINE) and {params.repo_id}@{params.revision} is not in the cache"
+        )
+    paths = [p for p in snapshot.rglob("*") if p.is_file()]
+    files = [RemoteFile(p.relative_to(snapshot).as_posix(), p.stat().st_size, "") for p in paths]
+    chosen, key = choose_files(files, params)
+    io.log(f"offline: {len(chosen)} file(s) already cached")
+    return _result(
+        params,
+        commit,
+        chosen,
+        key,
+        [str(snapshot / f.path) for f in chosen],
+        0,
+        sum(f.size for f in chosen),
+    )
+
+
+def _result(
+    params: DownloadParams,
+    commit: str,
+    files: list[RemoteFile],
+    key: str | None,
+    local: list[str],
+    fetched: int,
+    reused: int,
+) -> dict[str, object]:
+    return {
+        "repo_id": params.repo_id,
+        "revision": params.revision,
+        "commit": commit,
+        "model_id": hf_model_id(params.repo_id, key + ".gguf") if key else None,
+        "files": [
+            {"path": f.path, "size": f.size, "local_path": p}
+            for f, p in zip(files, local, strict=True)
+        ],
+        "bytes_downloaded": fetched,
+        "bytes_reused": reused,
+    }
+
+
+def hub_cache_dir() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def run(io: JobIO, params: DownloadParams, ctx: JobContext) -> dict[str, object]:
+    """Download what ``params`` chooses into the hub cache; the result lists the files."""
+    import httpx2
+    from huggingface_hub.errors import HFValidationError
+
+    token = os.environ.get("HF_TOKEN") or None
+    try:
+        return _run(io, params, token)
+    except (OSError, httpx2.HTTPError, HFValidationError) as exc:
+        # Hub, network and disk errors: a clear failure, never the token.
+        raise JobError(redact(f"{type(exc).__name__}: {exc}", token)) from None
+
+
+def _run(io: JobIO, params: DownloadParams, token: str | None) -> dict[str, object]:
+    from huggingface_hub import constants, hf_hub_download
+
+    cache_dir = hub_cache_dir()
+    if constants.is_offline_mode():
+        return _offline(io, params, cache_dir)
+    io.stage("listing")
+    commit, remote = _remote_files(params, token)
+    check_stop(io, "after listing the repo")
+    plan = plan_download(remote, params, cache_dir, free_disk(cache_dir), io.log)
+    reused = sum(f.size for f in plan.files if f.path in plan.cached)
+    io.log(
+        f"{len(plan.files)} file(s), {_gb(plan.to_fetch)} to fetch, {_gb(reused)} already cached"
+    )
+    reporter = Reporter(io, plan.to_fetch)
+    bar = partial(_ByteBar, reporter)
+    io.stage("downloading")
+    local: list[str] = []
+    # A smaller read chunk than the library's 10 MiB: finer progress, quicker cancel.
+    saved_chunk = constants.DOWNLOAD_CHUNK_SIZE
+    constants.DOWNLOAD_CHUNK_SIZE = CHUNK_BYTES
+    try:
+        for i, f in enumerate(plan.files, 1):
+            check_stop(io, f"before {f.path}")
+            reporter.start_file(f.path, i, len(plan.files))
+            path = hf_hub_download(
+                params.repo_id,
+                f.path,
+                revision=params.revision,
+                cache_dir=cache_dir,
+                token=token,
+                tqdm_class=cast(Any, bar),
+            )
+            local.append(str(path))
+    finally:
+        constants.DOWNLOAD_CHUNK_SIZE = saved_chunk
+    reporter.emit(force=True)
+    return _result(params, commit, plan.files, plan.model_key, local, plan.to_fetch, reused)
+
+
+def main() -> int:
+    """Standalone entry point with the jobs protocol (the dispatcher does the same)."""
+    io = JobIO()
+    job_input = io.read_input()
+    params = msgspec.convert(job_input.params, DownloadParams)
+    ctx = msgspec.convert(job_input.context, JobContext)
+    io.start_watchdogs()
+    io.emit("started", kind="download", pid=os.getpid())
+    try:
+        result = run(io, params, ctx)
+    except JobStopped as exc:
+        io.failed(str(exc))
+        return EXIT_STOPPED
+    except JobError as exc:
+        io.failed(str(exc))
+        return EXIT_FAILED
+    io.done(result)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # the stdin watchdog thread blocks on read

@@ -1,0 +1,248 @@
+"""Job kinds and their parameters, validated in the parent at submit time.
+
+This module is imported by the parent, so it (and every params struct) must
+never import llama_cpp or torch. The kind registry maps a kind name to its
+params struct and the module that runs it in the job process; adding a kind
+is one :class:`KindSpec` entry in :func:`job_kinds`.
+
+Paths in params are resolved here, in the parent: every path must resolve
+(symlinks followed) inside one of the configured roots, else 400. The stored
+params carry the resolved absolute paths, so the job process trusts them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from supervisor.errors import BadRequest
+
+ModelLookup = Callable[[str], Path | None]
+# An output name is one plain file name: no directories, no hidden files.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+# msgspec names the failing location as " - at `$.field[0].sub`".
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+
+DatasetFormat = Literal["auto", "alpaca", "sharegpt", "messages", "text"]
+QuantType = Literal[
+    "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_0", "Q3_K_M"
+]
+
+
+@dataclass(frozen=True)
+class Roots:
+    """The directories request paths may point into."""
+
+    models: Path
+    datasets: Path
+    outputs: Path
+
+    def all(self) -> tuple[Path, ...]:
+        return (self.models, self.datasets, self.outputs)
+
+
+@dataclass(frozen=True)
+class ResolveContext:
+    roots: Roots
+    # Maps a model id (as listed by /v1/models) to its GGUF file, if known.
+    model_lookup: ModelLookup | None = None
+
+
+def resolve_path(value: str, default_root: Path, roots: Roots, param: str) -> Path:
+    """A bare name or relative path is taken under ``default_root``; the
+    result must lie inside one of the roots after resolving symlinks."""
+    if not value or "\x00" in value:
+        raise BadRequest(f"{param} must be a non-empty path", param=param)
+    raw = Path(value).expanduser()
+    path = (raw if raw.is_absolute() else default_root / raw).resolve()
+    if not any(path.is_relative_to(r.resolve()) for r in roots.all()):
+        raise BadRequest(
+            f"{param} must be inside the models, datasets or outputs directory", param=param
+        )
+    return path
+
+
+def existing_file(value: str, default_root: Path, roots: Roots, param: str) -> Path:
+    path = resolve_path(value, default_root, roots, param)
+    if not path.is_file():
+        raise BadRequest(f"{param}: no such file {value!r}", param=param, code="file_not_found")
+    return path
+
+
+def check_name(value: str, param: str) -> str:
+    if not _NAME.match(value):
+        raise BadRequest(
+            f"{param} must be a plain file name (letters, digits, '.', '_', '-')", param=param
+        )
+    return value
+
+
+def resolve_model(value: str, ctx: ResolveContext, param: str) -> Path:
+    """A model id known to the library, else a GGUF path inside the roots."""
+    if ctx.model_lookup is not None:
+        found = ctx.model_lookup(value)
+        if found is not None:
+            return found
+    if "/" not in value and not value.endswith(".gguf"):
+        candidate = ctx.roots.models / f"{value}.gguf"
+        if candidate.is_file():
+            return candidate.resolve()
+    return existing_file(value, ctx.roots.models, ctx.roots, param)
+
+
+class JobParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Base of every kind's params."""
+
+    def resolve(self, ctx: ResolveContext) -> None:
+        """Replace user paths by resolved ones; raise BadRequest naming the field."""
+
+    def devices(self, available: Sequence[str]) -> list[str]:
+        """The lease devices this job holds while it runs (none by default)."""
+        return []
+
+
+class DatasetParams(JobParams):
+    input: str
+    format: DatasetFormat = "auto"
+    eval_ratio: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.1
+    seed: int = 0
+    output_name: str | None = None
+    dedupe: bool = True
+    # A model (id or GGUF path) whose tokenizer counts tokens in the stats.
+    model: str | None = None
+    max_bad_rows: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 50
+    overwrite: bool = False
+
+    def resolve(self, ctx: ResolveContext) -> None:
+        path = existing_file(self.input, ctx.roots.datasets, ctx.roots, "params.input")
+        self.input = str(path)
+        stem = path.name.split(".")[0] or "dataset"
+        self.output_name = check_name(self.output_name or f"{stem}-chat", "params.output_name")
+        if self.model is not None:
+            self.model = str(resolve_model(self.model, ctx, "params.model"))
+        outputs = dataset_outputs(ctx.roots.datasets, self.output_name)
+        if path in outputs:
+            raise BadRequest("output_name would overwrite the input", param="params.output_name")
+        if not self.overwrite and any(p.exists() for p in outputs):
+            raise BadRequest(
+                f"outputs for {self.output_name!r} already exist; set overwrite to replace them",
+                param="params.output_name",
+                code="output_exists",
+            )
+
+
+def dataset_outputs(datasets_dir: Path, output_name: str) -> tuple[Path, Path]:
+    return (datasets_dir / f"{output_name}.train.jsonl", datasets_dir / f"{output_name}.eval.jsonl")
+
+
+class QuantizeParams(JobParams):
+    model: str
+    type: QuantType
+    output_name: str | None = None
+    allow_requantize: bool = False
+    overwrite: bool = False
+    nthread: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+
+    def resolve(self, ctx: ResolveContext) -> None:
+        path = resolve_model(self.model, ctx, "params.model")
+        self.model = str(path)
+        stem = path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.stem
+        name = self.output_name or f"{stem}-{self.type}"
+        name = name if name.endswith(".gguf") else f"{name}.gguf"
+        self.output_name = check_name(name, "params.output_name")
+        out = ctx.roots.models / self.output_name
+        if out.resolve() == path:
+            raise BadRequest("output_name would overwrite the input", param="params.output_name")
+        if out.exists() and not self.overwrite:
+            raise BadRequest(
+                f"{self.output_name} already exists; set overwrite to replace it",
+                param="params.output_name",
+                code="output_exists",
+            )
+
+    def devices(self, available: Sequence[str]) -> list[str]:
+        # Quantizing maps the whole model into memory: hold the device so no
+        # model worker competes with it.
+        return list(available[:1])
+
+
+class SleepParams(JobParams):
+    """A cheap job for tests and benchmarks: N steps with progress."""
+
+    steps: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 5
+    step_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 0.05
+    events_per_step: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 1
+    # Misbehave on purpose at ``crash_at_step``: exit(3), SIGKILL itself, or SIGSTOP itself.
+    crash: Literal["none", "exit", "kill", "stop"] = "none"
+    crash_at_step: Annotated[int, msgspec.Meta(ge=0)] = 0
+    ignore_term: bool = False
+    use_device: bool = True
+    tag: Annotated[str, msgspec.Meta(max_length=200)] = ""
+
+    def devices(self, available: Sequence[str]) -> list[str]:
+        return list(available[:1]) if self.use_device else []
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    name: str
+    params: type[JobParams]
+    # Module run as the job process (imported only there).
+    module: str
+    description: str
+    grace_s: float = 30.0
+
+
+def job_kinds() -> Mapping[str, KindSpec]:
+    specs = [
+        KindSpec("dataset", DatasetParams, "jobs.dataset", "convert a dataset to chat JSONL"),
+        KindSpec("quantize", QuantizeParams, "jobs.quantize", "quantize a GGUF model"),
+        KindSpec("sleep", SleepParams, "jobs.sleep", "a cheap test job", grace_s=10.0),
+    ]
+    return MappingProxyType({s.name: s for s in specs})
+
+
+KINDS: Mapping[str, KindSpec] = job_kinds()
+
+
+def kind_spec(kind: str) -> KindSpec:
+    try:
+        return KINDS[kind]
+    except KeyError:
+        raise BadRequest(
+            f"unknown job kind {kind!r}; known: {', '.join(sorted(KINDS))}", param="kind"
+        ) from None
+
+
+def decode_params(kind: str, raw: Mapping[str, Any]) -> JobParams:
+    """Convert raw params to the kind's struct (no path resolution)."""
+    spec = kind_spec(kind)
+    try:
+        return msgspec.convert(dict(raw), spec.params)
+    except msgspec.ValidationError as exc:
+        # Not supervisor.httputil's helper: the job process imports this module
+        # and should not pay for importing aiohttp.
+        at = _AT.search(str(exc)) or _UNKNOWN.search(str(exc))
+        field = at.group(1) if at else None
+        param = f"params.{field}" if field else "params"
+        raise BadRequest(f"invalid params for {kind}: {exc}", param=param) from exc
+
+
+def validate_params(kind: str, raw: Mapping[str, Any], ctx: ResolveContext) -> JobParams:
+    """Decode and resolve; the result is what gets stored and run."""
+    params = decode_params(kind, raw)
+    params.resolve(ctx)
+    return params
+
+
+def params_dict(params: JobParams) -> dict[str, Any]:
+    out = msgspec.to_builtins(params)
+    assert isinstance(out, dict)
+    return out

@@ -1,0 +1,132 @@
+"""Configuration: defaults < TOML file < GPUVISOR_* environment < CLI flags.
+
+Everything is decoded into :class:`Config`; a bad value is a startup error
+that names the key (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from supervisor.httputil import validation_param
+
+ENV_PREFIX = "GPUVISOR_"
+
+
+class ConfigError(Exception):
+    pass
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 8470
+    state_dir: str = ""
+    models_dir: str = ""
+    config: str = ""
+    log_level: str = "info"
+    # HTTP
+    max_body_bytes: int = 16 * 1024 * 1024
+    # Worker pool
+    preload: list[str] = []
+    queue_limit: int = 64
+    n_ctx: int = 4096
+    n_gpu_layers: int = -1
+    n_threads: int = 0
+    handshake_timeout: float = 120.0
+    ping_interval: float = 2.0
+    ping_timeout: float = 10.0
+    kill_grace: float = 5.0
+    restart_backoff_min: float = 0.5
+    restart_backoff_max: float = 30.0
+    crash_limit: int = 5
+    crash_window: float = 60.0
+    shutdown_timeout: float = 15.0
+    write_demo_model: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be within 0..65535")
+        if self.queue_limit < 0:
+            raise ValueError("queue_limit must be >= 0")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be >= 1024")
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir)
+
+    @property
+    def models_path(self) -> Path:
+        return Path(self.models_dir)
+
+    @property
+    def run_path(self) -> Path:
+        return self.state_path / "run"
+
+    @property
+    def db_path(self) -> Path:
+        return self.state_path / "gpuvisor.db"
+
+
+_FIELDS = {f.name: f.type for f in msgspec.structs.fields(Config)}
+
+
+def default_state_dir(environ: Mapping[str, str]) -> Path:
+    # systemd's StateDirectory= sets STATE_DIRECTORY (possibly a ':' list).
+    if environ.get("STATE_DIRECTORY"):
+        return Path(environ["STATE_DIRECTORY"].split(":")[0])
+    home = Path(environ.get("HOME", str(Path.home())))
+    return home / ".local" / "share" / "gpuvisor"
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        if name not in _FIELDS:
+            raise ConfigError(f"unknown setting {key}")
+        if _FIELDS[name] == list[str]:
+            out[name] = [v for v in (p.strip() for p in value.split(",")) if v]
+        else:
+            out[name] = value
+    return out
+
+
+def load_config(
+    cli: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> Config:
+    """Merge every source and validate; raises ConfigError naming the key."""
+    environ = os.environ if environ is None else environ
+    cli = {k: v for k, v in (cli or {}).items() if v is not None}
+    env = _from_env(environ)
+    state_dir = cli.get("state_dir") or env.get("state_dir") or str(default_state_dir(environ))
+    explicit = cli.get("config") or env.get("config")
+    config_path = Path(explicit) if explicit else Path(state_dir) / "config.toml"
+    from_file: dict[str, Any] = {}
+    if config_path.exists():
+        try:
+            from_file = tomllib.loads(config_path.read_text())
+        except (tomllib.TOMLDecodeError, OSError) as exc:
+            raise ConfigError(f"cannot read config file {config_path}: {exc}") from exc
+    elif explicit:
+        raise ConfigError(f"config file {config_path} does not exist")
+    merged: dict[str, Any] = {**from_file, **env, **cli}
+    merged["config"] = str(config_path)
+    merged.setdefault("state_dir", state_dir)
+    try:
+        # strict=False: environment values arrive as strings ("8470", "true").
+        cfg = msgspec.convert(merged, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        key = validation_param(exc)
+        raise ConfigError(f"invalid setting {key or ''}: {exc}".replace("  ", " ")) from exc
+    if not cfg.models_dir:
+        cfg.models_dir = str(Path(cfg.state_dir) / "models")
+    return cfg

@@ -1,0 +1,84 @@
+"""The parent's one SQLite database: connection, pragmas, migrations.
+
+Every durable record (jobs, job events, stored responses) lives in this file.
+One aiosqlite connection writes; each write is one short ``BEGIN IMMEDIATE``
+transaction taken through :meth:`Database.write`. Schema versions are tracked
+with ``PRAGMA user_version``: migration N moves the file from version N-1 to N,
+and migrations only ever append.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiosqlite
+
+
+class Database:
+    """Owns the connection; use :meth:`open` and :meth:`close`."""
+
+    def __init__(self, path: Path, migrations: Sequence[Sequence[str]]) -> None:
+        self.path = path
+        self._migrations = migrations
+        self._conn: aiosqlite.Connection | None = None
+        self._write_lock = asyncio.Lock()
+
+    @property
+    def conn(self) -> aiosqlite.Connection:
+        if self._conn is None:
+            raise RuntimeError("database is not open")
+        return self._conn
+
+    async def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = await aiosqlite.connect(self.path, isolation_level=None)
+        conn.row_factory = aiosqlite.Row
+        await conn.execute("PRAGMA journal_mode=WAL")
+        await conn.execute("PRAGMA synchronous=NORMAL")
+        await conn.execute("PRAGMA busy_timeout=5000")
+        await conn.execute("PRAGMA foreign_keys=ON")
+        self._conn = conn
+        await self._migrate()
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._conn.close()
+            self._conn = None
+
+    async def user_version(self) -> int:
+        async with self.conn.execute("PRAGMA user_version") as cur:
+            row = await cur.fetchone()
+        assert row is not None
+        return int(row[0])
+
+    async def _migrate(self) -> None:
+        current = await self.user_version()
+        for version, statements in enumerate(self._migrations, start=1):
+            if version <= current:
+                continue
+            async with self.write() as conn:
+                for sql in statements:
+                    await conn.execute(sql)
+                # PRAGMA takes no parameters; version is our own int.
+                await conn.execute(f"PRAGMA user_version={version:d}")
+
+    @asynccontextmanager
+    async def write(self) -> AsyncIterator[aiosqlite.Connection]:
+        """One short write transaction; rolls back if the body raises."""
+        async with self._write_lock:
+            conn = self.conn
+            await conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                await conn.execute("ROLLBACK")
+                raise
+            await conn.execute("COMMIT")
+
+    async def integrity_ok(self) -> bool:
+        async with self.conn.execute("PRAGMA integrity_check") as cur:
+            row = await cur.fetchone()
+        return row is not None and row[0] == "ok"

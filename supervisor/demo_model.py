@@ -1,0 +1,123 @@
+"""Write tiny random-weight GGUF models (llama architecture).
+
+Used for the embedded default model on first start and by the tests. The
+weights are random, so the text is gibberish: the model exists only to show
+every endpoint working without a download.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+DEMO_MODEL_NAME = "tiny-random-demo"
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Word pieces after the 256 byte tokens; "▁" marks a leading space (SentencePiece).
+_PIECES = [
+    "▁the", "▁a", "▁is", "▁of", "▁and", "▁to", "▁in", "▁it", "▁you", "▁that",
+    "▁hello", "▁world", "▁model", "▁tiny", "▁random", "▁demo", "▁yes", "▁no",
+    "▁lab", "▁gpu", "▁job", "▁data", "▁train", "▁loss", "▁fine", "▁tune",
+    "er", "ing", "ed", "es", "ly", "▁", ".", ",", "!", "?", ":", "{", "}", "\"",
+]
+_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+
+def _vocab(extra_tokens: int) -> tuple[list[str], list[float], list[int]]:
+    tokens: list[str] = []
+    scores: list[float] = []
+    types: list[int] = []
+    for tok in _SPECIALS:
+        tokens.append(tok)
+        scores.append(0.0)
+        types.append(gguf.TokenType.UNKNOWN if tok == "<unk>" else gguf.TokenType.CONTROL)
+    for b in range(256):
+        tokens.append(f"<0x{b:02X}>")
+        scores.append(0.0)
+        types.append(gguf.TokenType.BYTE)
+    for i, piece in enumerate(_PIECES):
+        tokens.append(piece)
+        scores.append(-1.0 - i * 0.01)
+        types.append(gguf.TokenType.NORMAL)
+    for i in range(extra_tokens):
+        tokens.append(f"▁w{i}")
+        scores.append(-10.0 - i * 0.01)
+        types.append(gguf.TokenType.NORMAL)
+    return tokens, scores, types
+
+
+def write_tiny_gguf(
+    path: Path,
+    *,
+    seed: int = 0,
+    n_embd: int = 64,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_ctx: int = 2048,
+    extra_tokens: int = 200,
+    chat_template: str | None = CHATML_TEMPLATE,
+    name: str = DEMO_MODEL_NAME,
+) -> Path:
+    """Write a random llama-architecture GGUF (F32) to ``path`` atomically."""
+    rng = np.random.default_rng(seed)
+    tokens, scores, types = _vocab(extra_tokens)
+    n_vocab = len(tokens)
+    tmp = path.with_name(path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(name)
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.5).astype(np.float32)
+
+    n_embd_kv = n_embd // n_head * n_head_kv
+    # numpy shape is (ne1, ne0): rows first, as gguf stores it.
+    w.add_tensor("token_embd.weight", rand(n_vocab, n_embd))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("output.weight", rand(n_vocab, n_embd))
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.attn_q.weight", rand(n_embd, n_embd))
+        w.add_tensor(f"blk.{i}.attn_k.weight", rand(n_embd_kv, n_embd))
+        w.add_tensor(f"blk.{i}.attn_v.weight", rand(n_embd_kv, n_embd))
+        w.add_tensor(f"blk.{i}.attn_output.weight", rand(n_embd, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", rand(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", rand(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", rand(n_embd, n_ff))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,105 @@
+"""Typed API errors, each mapped to an HTTP status and an OpenAI-shaped body.
+
+Handlers raise these; one middleware renders them. Errors are never matched by
+message text: the class carries the status, the type and the code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorEnvelope(msgspec.Struct):
+    error: ErrorBody
+
+
+class ApiError(Exception):
+    """Base of every error an HTTP handler may raise on purpose."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers: dict[str, str] = headers or {}
+
+    def body(self) -> ErrorEnvelope:
+        return ErrorEnvelope(ErrorBody(self.message, self.type, self.param, self.code))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": msgspec.to_builtins(self.body())}
+
+
+class BadRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class Unauthorized(ApiError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(ApiError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class Conflict(ApiError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class UpstreamError(ApiError):
+    """The model worker failed while serving the request (502)."""
+
+    status = 502
+    type = "server_error"
+    code = "worker_error"
+
+
+class Unavailable(ApiError):
+    """Temporarily refused (503); always carries Retry-After."""
+
+    status = 503
+    type = "server_error"
+    code = "unavailable"
+
+    def __init__(self, message: str, *, retry_after: int = 1, code: str | None = None) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(retry_after)})
+        self.retry_after = retry_after

@@ -1,0 +1,475 @@
+"""One model worker process as the parent sees it.
+
+A ``WorkerHandle`` owns the worker's process, its IPC connection, a FIFO queue
+of requests and a supervising task that spawns, watches (ping/pong), and
+restarts the worker with backoff. State lives in one enum, not in flags.
+Requests queued but not yet sent survive a crash and go to the restarted
+worker; the request in flight ends with a ``WorkerGone`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import os
+import signal
+import sys
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from worker import protocol as p
+
+log = logging.getLogger("gpuvisor.worker")
+
+EXIT_LOAD_FAILED = 3
+MAX_SOCKET_PATH = 100
+
+
+class WorkerState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    CRASHED = "crashed"
+    FAILED = "failed"
+
+
+class WorkerGone(msgspec.Struct):
+    """Terminal event for a request whose worker went away mid-request."""
+
+    code: str  # worker_crashed | evicted | worker_stopped | model_failed
+    message: str
+
+
+class QueueFull(Exception):
+    pass
+
+
+class NotAccepting(Exception):
+    """The handle takes no new requests (draining, stopping or failed)."""
+
+    def __init__(self, state: WorkerState, reason: str) -> None:
+        super().__init__(reason)
+        self.state = state
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    model_id: str
+    path: Path
+    embedding: bool
+    n_ctx: int
+    n_gpu_layers: int
+    n_threads: int
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class Timing:
+    handshake_timeout: float
+    ping_interval: float
+    ping_timeout: float
+    kill_grace: float
+    backoff_min: float
+    backoff_max: float
+    crash_limit: int
+    crash_window: float
+    heartbeat: float = 1.0
+
+
+@dataclass(eq=False)
+class Pending:
+    id: int
+    msg: p.Generate | p.Embed | p.Tokenize
+    events: asyncio.Queue[p.FromWorker | WorkerGone] = field(default_factory=asyncio.Queue)
+    sent: bool = False
+    finished: bool = False
+
+
+class HandshakeFailed(Exception):
+    pass
+
+
+class LoadFailed(Exception):
+    pass
+
+
+class WorkerHandle:
+    def __init__(self, spec: WorkerSpec, timing: Timing, run_dir: Path, log_dir: Path,
+                 queue_limit: int, clock: Callable[[], float] | None = None) -> None:
+        self.spec = spec
+        self.timing = timing
+        self.run_dir = run_dir
+        self.log_dir = log_dir
+        self.queue_limit = queue_limit
+        self.clock = clock or asyncio.get_running_loop().time
+        self.state = WorkerState.STARTING
+        self.reason: str | None = None
+        self.facts: p.ModelFacts | None = None
+        self.pid: int | None = None
+        self.restarts = 0
+        self.last_used = self.clock()
+        self.last_seen = self.clock()
+        self.stats: p.WorkerStats | None = None
+        self.queue: deque[Pending] = deque()
+        self.inflight: Pending | None = None
+        self.crash_times: deque[float] = deque()
+        self.ready = asyncio.Event()
+        self.changed = asyncio.Event()
+        self._ids = itertools.count(1)
+        self._proc: asyncio.subprocess.Process | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._codec = p.parent_codec()
+        self._stop_requested = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name=f"worker:{self.spec.model_id}")
+
+    @property
+    def busy(self) -> bool:
+        return self.inflight is not None or bool(self.queue)
+
+    @property
+    def accepting(self) -> bool:
+        return self.state in (WorkerState.STARTING, WorkerState.READY, WorkerState.CRASHED)
+
+    async def stop(self, reason: str = "stopped", code: str = "worker_stopped") -> None:
+        """Stop the worker now; every pending request ends with ``code``."""
+        if self.state not in (WorkerState.FAILED, WorkerState.STOPPED):
+            self._set_state(WorkerState.STOPPING)
+        self._stop_requested.set()
+        self._fail_all(code, reason)
+        self._send(p.Shutdown())
+        task = self._task
+        if task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.timing.kill_grace * 2)
+        except TimeoutError:
+            # Stuck before the handshake or in a hung worker: kill the group.
+            await self._kill(signal.SIGKILL)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            if self._proc is not None:
+                await self._proc.wait()
+        self._set_state(WorkerState.STOPPED)
+
+    async def drain(self, timeout: float, reason: str, code: str = "evicted") -> None:
+        """Take no new requests; let queued/in-flight ones finish up to timeout; stop."""
+        if self.state in (WorkerState.READY, WorkerState.STARTING, WorkerState.CRASHED):
+            self._set_state(WorkerState.DRAINING)
+        deadline = self.clock() + timeout
+        while self.busy and self.clock() < deadline:
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), max(0.0, deadline - self.clock()))
+            except TimeoutError:
+                break
+        await self.stop(reason, code)
+
+    def _set_state(self, state: WorkerState) -> None:
+        self.state = state
+        if state is WorkerState.READY:
+            self.ready.set()
+        else:
+            self.ready.clear()
+        self.changed.set()
+
+    async def _supervise(self) -> None:
+        while not self._stop_requested.is_set():
+            self._set_state(WorkerState.STARTING)
+            code = await self._run_once()
+            if self._stop_requested.is_set():
+                break
+            if code == EXIT_LOAD_FAILED or self.state is WorkerState.FAILED:
+                self._fail_permanently(self.reason or "the model cannot be loaded")
+                return
+            self._record_crash(code)
+            if self.state is WorkerState.FAILED:
+                return
+            if await self._backoff():
+                break
+        self._set_state(WorkerState.STOPPED)
+
+    def _record_crash(self, code: int | None) -> None:
+        now = self.clock()
+        self.crash_times.append(now)
+        while self.crash_times and now - self.crash_times[0] > self.timing.crash_window:
+            self.crash_times.popleft()
+        self.reason = self.reason or f"worker exited with code {code}"
+        log.warning("worker %s crashed: %s", self.spec.model_id, self.reason)
+        self._set_state(WorkerState.CRASHED)
+        if self.inflight is not None:
+            self._end(self.inflight, WorkerGone("worker_crashed", f"the model worker crashed ({self.reason})"))
+        if len(self.crash_times) >= self.timing.crash_limit:
+            self._fail_permanently(
+                f"{len(self.crash_times)} crashes within {self.timing.crash_window:.0f}s; "
+                f"last: {self.reason}")
+
+    def _fail_permanently(self, reason: str) -> None:
+        self.reason = reason
+        self._set_state(WorkerState.FAILED)
+        self._fail_all("model_failed", reason)
+
+    async def _backoff(self) -> bool:
+        """Wait before a restart; True when a stop arrived meanwhile."""
+        n = len(self.crash_times)
+        delay = min(self.timing.backoff_max, self.timing.backoff_min * 2 ** max(0, n - 1))
+        try:
+            await asyncio.wait_for(self._stop_requested.wait(), delay)
+            return True
+        except TimeoutError:
+            self.restarts += 1
+            return False
+
+    # ------------------------------------------------------------ one process
+
+    async def _run_once(self) -> int | None:
+        self.reason = None
+        try:
+            reader = await self._spawn()
+        except LoadFailed as exc:
+            self.reason = str(exc)
+            await self._reap()
+            return EXIT_LOAD_FAILED
+        except (HandshakeFailed, OSError, p.ProtocolError) as exc:
+            self.reason = f"handshake failed: {exc}"
+            await self._kill(signal.SIGKILL)
+            return await self._reap()
+        self._set_state(WorkerState.READY)
+        self._kick()
+        watchdog = asyncio.create_task(self._watch_liveness(), name="liveness")
+        try:
+            await self._read_loop(reader)
+        finally:
+            watchdog.cancel()
+            await asyncio.gather(watchdog, return_exceptions=True)
+        return await self._reap()
+
+    def _socket_path(self) -> Path:
+        path = self.run_dir / f"w{os.getpid()}-{id(self) % 100000}-{self.restarts}.sock"
+        if len(str(path)) > MAX_SOCKET_PATH:
+            raise OSError(f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes; use a shorter state dir")
+        return path
+
+    async def _spawn(self) -> asyncio.StreamReader:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        sock = self._socket_path()
+        sock.unlink(missing_ok=True)
+        connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
+            asyncio.get_running_loop().create_future())
+
+        def on_connect(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            if connected.done():
+                w.close()
+            else:
+                connected.set_result((r, w))
+
+        server = await asyncio.start_unix_server(on_connect, path=str(sock))
+        try:
+            self._proc = await self._exec(sock)
+            self.pid = self._proc.pid
+            exited = asyncio.ensure_future(self._proc.wait())
+            done, _ = await asyncio.wait({connected, exited}, timeout=self.timing.handshake_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if connected not in done:
+                exited.cancel()
+                raise HandshakeFailed("worker exited before connecting" if exited in done
+                                      else "no connection within the handshake timeout")
+            exited.cancel()
+            reader, writer = connected.result()
+        finally:
+            server.close()
+            sock.unlink(missing_ok=True)
+        self._writer = writer
+        await self._handshake(reader)
+        return reader
+
+    async def _exec(self, sock: Path) -> asyncio.subprocess.Process:
+        s = self.spec
+        args = [sys.executable, "-m", "worker", "--socket", str(sock), "--model", str(s.path),
+                "--n-ctx", str(s.n_ctx), "--n-gpu-layers", str(s.n_gpu_layers),
+                "--threads", str(s.n_threads), "--heartbeat", str(self.timing.heartbeat)]
+        if s.embedding:
+            args.append("--embedding")
+        env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+        logfile = open(self.log_dir / f"{_safe(s.model_id)}{'.embed' if s.embedding else ''}.log", "ab")
+        try:
+            return await asyncio.create_subprocess_exec(
+                *args, stdin=asyncio.subprocess.PIPE, stdout=logfile, stderr=logfile,
+                start_new_session=True, env=env)
+        finally:
+            logfile.close()
+
+    async def _handshake(self, reader: asyncio.StreamReader) -> None:
+        try:
+            body = await asyncio.wait_for(p.read_frame(reader), self.timing.handshake_timeout)
+        except TimeoutError as exc:
+            raise HandshakeFailed("no hello within the handshake timeout") from exc
+        if body is None:
+            raise HandshakeFailed("worker closed the connection before its hello")
+        msg = self._codec.decode(body)
+        if isinstance(msg, p.LoadFailed):
+            raise LoadFailed(msg.reason)
+        if not isinstance(msg, p.Hello):
+            raise HandshakeFailed(f"expected hello, got {type(msg).__name__}")
+        if msg.protocol_version != p.PROTOCOL_VERSION:
+            raise LoadFailed(f"worker speaks protocol {msg.protocol_version}, parent {p.PROTOCOL_VERSION}")
+        self.facts = msg.facts
+        self.last_seen = self.clock()
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                body = await p.read_frame(reader)
+            except (p.ProtocolError, ConnectionError) as exc:
+                self.reason = f"IPC stream broken: {exc}"
+                await self._kill(signal.SIGKILL)
+                return
+            if body is None:
+                return
+            try:
+                msg = self._codec.decode(body)
+            except p.InvalidMessage as exc:
+                log.error("worker %s sent an invalid message: %s", self.spec.model_id, exc)
+                continue
+            self.last_seen = self.clock()
+            self._route(msg)
+
+    def _route(self, msg: p.FromWorker) -> None:
+        match msg:
+            case p.Heartbeat() | p.Pong():
+                self.stats = msg.stats
+            case p.Delta():
+                if self.inflight is not None and self.inflight.id == msg.id:
+                    self.inflight.events.put_nowait(msg)
+            case p.Done() | p.Tokens() | p.Embeddings():
+                if self.inflight is not None and self.inflight.id == msg.id:
+                    self._end(self.inflight, msg)
+            case p.Error():
+                if self.inflight is not None and self.inflight.id == msg.id:
+                    self._end(self.inflight, msg)
+                else:
+                    log.error("worker %s: %s: %s", self.spec.model_id, msg.code, msg.message)
+            case _:
+                log.error("worker %s: unexpected %s", self.spec.model_id, type(msg).__name__)
+
+    async def _watch_liveness(self) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(self.timing.ping_interval)
+            if self.clock() - self.last_seen > self.timing.ping_timeout:
+                self.reason = f"no answer to ping within {self.timing.ping_timeout:.0f}s (hung)"
+                log.error("worker %s hung; aborting it", self.spec.model_id)
+                await self._kill(signal.SIGABRT)
+                await asyncio.sleep(self.timing.kill_grace)
+                await self._kill(signal.SIGKILL)
+                return
+            seq += 1
+            self._send(p.Ping(seq))
+
+    async def _kill(self, sig: int) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            try:
+                os.killpg(self._proc.pid, sig)
+            except ProcessLookupError:
+                pass  # already gone: nothing to kill
+
+    async def _reap(self) -> int | None:
+        """Close the connection and wait for the process; stop it if asked to."""
+        proc = self._proc
+        if self._writer is not None:
+            if self._stop_requested.is_set() and not self._writer.is_closing():
+                self._writer.write(self._codec.encode(p.Shutdown()))
+            self._writer.close()
+            self._writer = None
+        if proc is None:
+            return None
+        try:
+            await asyncio.wait_for(proc.wait(), self.timing.kill_grace)
+        except TimeoutError:
+            await self._kill(signal.SIGKILL)
+            await proc.wait()
+        # The group may hold helpers of the worker; none may outlive it.
+        await self._kill_group_leftovers(proc.pid)
+        self._proc = None
+        return proc.returncode
+
+    async def _kill_group_leftovers(self, pgid: int) -> None:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is empty: the normal case
+
+    # ------------------------------------------------------------ requests
+
+    def submit(self, msg: p.Generate | p.Embed | p.Tokenize) -> Pending:
+        if not self.accepting:
+            raise NotAccepting(self.state, self.reason or self.state.value)
+        if len(self.queue) >= self.queue_limit and (self.inflight is not None or self.state is not WorkerState.READY):
+            raise QueueFull(f"{len(self.queue)} requests are already waiting for {self.spec.model_id}")
+        msg.id = next(self._ids)
+        pend = Pending(msg.id, msg)
+        self.queue.append(pend)
+        self.last_used = self.clock()
+        self._kick()
+        return pend
+
+    def cancel(self, pend: Pending) -> None:
+        if pend.finished:
+            return
+        if not pend.sent:
+            self.queue.remove(pend)
+            pend.finished = True
+            self.changed.set()
+            return
+        self._send(p.Cancel(pend.id))
+
+    def _kick(self) -> None:
+        # Draining still serves what was queued before the drain began.
+        if self.inflight is not None or not self.queue:
+            return
+        if self.state not in (WorkerState.READY, WorkerState.DRAINING):
+            return
+        pend = self.queue.popleft()
+        pend.sent = True
+        self.inflight = pend
+        self._send(pend.msg)
+
+    def _send(self, msg: msgspec.Struct) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(self._codec.encode(msg))
+
+    def _end(self, pend: Pending, event: p.FromWorker | WorkerGone) -> None:
+        pend.finished = True
+        pend.events.put_nowait(event)
+        if self.inflight is pend:
+            self.inflight = None
+        self.last_used = self.clock()
+        self.changed.set()
+        self._kick()
+
+    def _fail_all(self, code: str, reason: str) -> None:
+        if self.inflight is not None:
+            self._end(self.inflight, WorkerGone(code, reason))
+        while self.queue:
+            pend = self.queue.popleft()
+            pend.finished = True
+            pend.events.put_nowait(WorkerGone(code, reason))
+        self.changed.set()
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

@@ -1,0 +1,17 @@
+"""Typed application state keys (no module globals hold live objects)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from supervisor.config import Config
+    from supervisor.db import Database
+    from supervisor.pool import WorkerPool
+
+CONFIG: web.AppKey[Config] = web.AppKey("config")
+POOL: web.AppKey[WorkerPool] = web.AppKey("pool")
+DB: web.AppKey[Database] = web.AppKey("db")
+STARTED_AT: web.AppKey[float] = web.AppKey("started_at")

@@ -1,0 +1,321 @@
+"""The GPU lease: one place decides who may use which device.
+
+Jobs ask for devices with :meth:`GpuLease.acquire_job` and queue FIFO by
+priority. When a job reaches the head for a device, the device is reserved for
+it at once (model workers are refused from then on), the worker pool is asked
+to vacate the device (idle workers evicted, busy ones drained), and then the
+job holds it exclusively until :meth:`GpuLease.release_job`, which the runner
+calls only after the job's whole process group has exited.
+
+Model workers do not queue: the pool asks :meth:`GpuLease.worker_admission`
+before using a device and gets ``None`` (go ahead) or the reason it may not.
+
+On a machine without a GPU the lease manages one logical device, ``cpu``, so
+the same code paths run everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+CPU = "cpu"
+NVIDIA_SMI_QUERY = (
+    "nvidia-smi",
+    "--query-gpu=index,name,memory.total",
+    "--format=csv,noheader,nounits",
+)
+
+
+class DeviceUsers(Protocol):
+    """What the lease needs from the worker pool."""
+
+    async def vacate(self, device: str, drain_timeout: float, reason: str) -> None:
+        """Evict idle workers on the device, drain busy ones (in-flight work
+        gets up to ``drain_timeout`` seconds, then is cancelled with an error
+        carrying ``reason``); return once their process groups have exited."""
+        ...
+
+
+@dataclass(frozen=True)
+class Device:
+    id: str
+    name: str
+    index: int | None = None
+    memory_total_mib: int | None = None
+
+
+def cpu_device() -> Device:
+    return Device(CPU, "CPU (no GPU detected)")
+
+
+def device_from_id(device_id: str) -> Device:
+    """A configured device id: ``cpu`` or ``cuda:N``."""
+    if device_id == CPU:
+        return cpu_device()
+    prefix, _, idx = device_id.partition(":")
+    if prefix != "cuda" or not idx.isdigit():
+        raise ValueError(f"device {device_id!r} must be 'cpu' or 'cuda:N'")
+    return Device(device_id, device_id, int(idx))
+
+
+def parse_nvidia_smi(text: str) -> list[Device]:
+    """Parse ``index, name, memory.total`` CSV lines (MiB, with or without unit)."""
+    devices = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 3 or not parts[0].isdigit():
+            continue
+        mem = parts[-1].split()[0] if parts[-1] else ""
+        devices.append(
+            Device(
+                f"cuda:{parts[0]}",
+                ", ".join(parts[1:-1]),
+                int(parts[0]),
+                int(float(mem)) if mem.replace(".", "", 1).isdigit() else None,
+            )
+        )
+    return devices
+
+
+async def detect_devices(
+    configured: Sequence[str] = (),
+    command: Sequence[str] = NVIDIA_SMI_QUERY,
+    timeout: float = 10.0,
+) -> list[Device]:
+    """Configured ids win; else ask nvidia-smi; none or failure -> ``cpu``."""
+    if configured:
+        return [device_from_id(d) for d in configured]
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+    except OSError:
+        return [cpu_device()]
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return [cpu_device()]
+    found = parse_nvidia_smi(out.decode(errors="replace")) if proc.returncode == 0 else []
+    return found or [cpu_device()]
+
+
+def cuda_visible_devices(devices: Sequence[Device]) -> str:
+    """The CUDA_VISIBLE_DEVICES value exposing exactly these devices."""
+    return ",".join(str(d.index) for d in devices if d.index is not None)
+
+
+RequestState = Literal["waiting", "draining", "holding"]
+
+
+@dataclass(eq=False)
+class _Request:
+    job_id: str
+    label: str
+    devices: tuple[str, ...]
+    priority: int
+    order: int
+    enqueued_at: float
+    turn: asyncio.Future[None]
+    state: RequestState = "waiting"
+    since: float = 0.0
+
+    def sort_key(self) -> tuple[int, int]:
+        return (-self.priority, self.order)
+
+
+class GpuLease:
+    """Exclusive, fair, cancellable device holds for jobs; admission for workers."""
+
+    def __init__(
+        self,
+        devices: Sequence[Device],
+        *,
+        drain_timeout: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not devices:
+            raise ValueError("the lease needs at least one device")
+        self._devices = {d.id: d for d in devices}
+        self.drain_timeout = drain_timeout
+        self._clock = clock
+        self._users: DeviceUsers | None = None
+        self._requests: dict[str, _Request] = {}
+        # Device -> job id of the request that reserved it (draining or holding).
+        self._owner: dict[str, str] = {}
+        self._order = itertools.count()
+
+    # ------------------------------------------------------------ devices
+
+    @property
+    def devices(self) -> list[str]:
+        return list(self._devices)
+
+    def device(self, device_id: str) -> Device:
+        return self._devices[device_id]
+
+    @property
+    def default_device(self) -> str:
+        return next(iter(self._devices))
+
+    def set_users(self, users: DeviceUsers) -> None:
+        self._users = users
+
+    # ------------------------------------------------------------ jobs
+
+    async def acquire_job(self, job_id: str, label: str, devices: list[str], priority: int) -> None:
+        """Wait for the devices (FIFO by priority), vacate them, then hold them.
+
+        Cancelling the caller while it waits or drains leaves the queue clean.
+        """
+        if job_id in self._requests:
+            raise RuntimeError(f"job {job_id} already has a lease request")
+        unknown = [d for d in devices if d not in self._devices]
+        if unknown or not devices:
+            raise ValueError(f"unknown devices {unknown or devices!r}; known: {self.devices}")
+        now = self._clock()
+        req = _Request(
+            job_id,
+            label,
+            tuple(dict.fromkeys(devices)),
+            priority,
+            next(self._order),
+            now,
+            asyncio.get_running_loop().create_future(),
+            since=now,
+        )
+        self._requests[job_id] = req
+        try:
+            self._dispatch()
+            await req.turn
+            await self._vacate(req)
+        except BaseException:
+            self._drop(req)
+            raise
+        req.state = "holding"
+        req.since = self._clock()
+
+    def release_job(self, job_id: str) -> None:
+        """Give the devices back (after the job's process group is gone)."""
+        req = self._requests.get(job_id)
+        if req is not None:
+            self._drop(req)
+
+    @asynccontextmanager
+    async def job(
+        self, job_id: str, label: str, devices: list[str], priority: int
+    ) -> AsyncIterator[None]:
+        """Hold the devices for the body; released however the body ends."""
+        await self.acquire_job(job_id, label, devices, priority)
+        try:
+            yield
+        finally:
+            self.release_job(job_id)
+
+    def holds(self, job_id: str) -> bool:
+        req = self._requests.get(job_id)
+        return req is not None and req.state == "holding"
+
+    # ------------------------------------------------------------ workers
+
+    def worker_admission(self, device: str) -> str | None:
+        """None when model workers may use the device, else the reason why not."""
+        if device not in self._devices:
+            return f"device {device} is not managed by this server"
+        owner = self._owner.get(device)
+        if owner is None:
+            return None
+        req = self._requests[owner]
+        if req.state == "holding":
+            return f"device {device} is held by job {req.job_id} ({req.label})"
+        return f"device {device} is being freed for job {req.job_id} ({req.label})"
+
+    # ------------------------------------------------------------ reporting
+
+    def snapshot(self) -> dict[str, Any]:
+        now = self._clock()
+        devices = []
+        for dev in self._devices.values():
+            owner = self._owner.get(dev.id)
+            req = self._requests.get(owner) if owner is not None else None
+            devices.append(
+                {
+                    "id": dev.id,
+                    "name": dev.name,
+                    "memory_total_mib": dev.memory_total_mib,
+                    "state": "free" if req is None else req.state,
+                    "holder": None if req is None else _describe(req, now),
+                    "why": self.worker_admission(dev.id),
+                }
+            )
+        waiters = sorted(
+            (r for r in self._requests.values() if r.state == "waiting"), key=_Request.sort_key
+        )
+        return {
+            "devices": devices,
+            "waiters": [_describe(r, now) for r in waiters],
+            "drain_timeout": self.drain_timeout,
+        }
+
+    # ------------------------------------------------------------ internals
+
+    def _dispatch(self) -> None:
+        """Reserve devices for every waiter whose turn it is.
+
+        A waiter is served only if no earlier waiter (by priority, then
+        arrival) wants any of its devices, so big requests do not starve.
+        """
+        blocked: set[str] = set()
+        for req in sorted(self._requests.values(), key=_Request.sort_key):
+            if req.state != "waiting":
+                continue
+            wanted = set(req.devices)
+            if not (wanted & blocked) and not any(d in self._owner for d in wanted):
+                for d in req.devices:
+                    self._owner[d] = req.job_id
+                req.state = "draining"
+                req.since = self._clock()
+                if not req.turn.done():
+                    req.turn.set_result(None)
+            blocked |= wanted
+
+    async def _vacate(self, req: _Request) -> None:
+        users = self._users
+        if users is None:
+            return
+        reason = f"device needed by job {req.job_id} ({req.label})"
+        async with asyncio.TaskGroup() as tg:
+            for d in req.devices:
+                tg.create_task(users.vacate(d, self.drain_timeout, reason))
+
+    def _drop(self, req: _Request) -> None:
+        if self._requests.get(req.job_id) is req:
+            del self._requests[req.job_id]
+        for d in req.devices:
+            if self._owner.get(d) == req.job_id:
+                del self._owner[d]
+        if not req.turn.done():
+            req.turn.cancel()
+        self._dispatch()
+
+
+def _describe(req: _Request, now: float) -> dict[str, Any]:
+    return {
+        "job_id": req.job_id,
+        "label": req.label,
+        "devices": list(req.devices),
+        "priority": req.priority,
+        "state": req.state,
+        "waited_s": round((now if req.state == "waiting" else req.since) - req.enqueued_at, 3),
+        "state_for_s": round(now - req.since, 3),
+    }

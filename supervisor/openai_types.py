@@ -1,0 +1,175 @@
+"""Request bodies of the OpenAI-compatible chat, completion and embedding routes.
+
+Unknown fields are ignored (clients send extras), but a known field with a
+wrong type or an unsupported value is a 400 that names it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from supervisor.errors import BadRequest
+from worker.protocol import ChatMessage, SamplingParams
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class InMessage(msgspec.Struct):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct):
+    name: str = "response"
+    schema: dict[str, Any] = {}
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class Sampling(msgspec.Struct, kw_only=True):
+    """Sampling fields shared by chat and text completions."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # llama.cpp-style extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    ignore_eos: bool = False
+
+    def sampling(self, max_tokens: int | None = None) -> SamplingParams:
+        if self.n != 1:
+            raise BadRequest("only n=1 is supported", param="n")
+        for name, value, lo, hi in (("temperature", self.temperature, 0.0, 2.0),
+                                    ("top_p", self.top_p, 0.0, 1.0),
+                                    ("presence_penalty", self.presence_penalty, -2.0, 2.0),
+                                    ("frequency_penalty", self.frequency_penalty, -2.0, 2.0)):
+            if value is not None and not lo <= value <= hi:
+                raise BadRequest(f"{name} must be within [{lo}, {hi}]", param=name)
+        limit = max_tokens if max_tokens is not None else self.max_tokens
+        if limit is not None and limit < 1:
+            raise BadRequest("max_tokens must be at least 1", param="max_tokens")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 16:
+            raise BadRequest("at most 16 stop sequences", param="stop")
+        out = SamplingParams(
+            max_tokens=limit,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            stop=stops,
+            ignore_eos=self.ignore_eos,
+        )
+        if self.top_k is not None:
+            out.top_k = self.top_k
+        if self.min_p is not None:
+            out.min_p = self.min_p
+        if self.repeat_penalty is not None:
+            out.repeat_penalty = self.repeat_penalty
+        return out
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(Sampling, kw_only=True):
+    messages: list[InMessage]
+    max_completion_tokens: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    keep_alive: str | int | float | None = None
+
+    def chat_messages(self) -> list[ChatMessage]:
+        if not self.messages:
+            raise BadRequest("messages must not be empty", param="messages")
+        return [_to_chat(i, m) for i, m in enumerate(self.messages)]
+
+    def chat_sampling(self) -> SamplingParams:
+        params = self.sampling(self.max_completion_tokens)
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            params.json_object = True
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise BadRequest("response_format.json_schema is required for type json_schema",
+                                 param="response_format.json_schema")
+            params.json_schema = msgspec.json.encode(fmt.json_schema.schema).decode()
+        return params
+
+
+def _to_chat(i: int, m: InMessage) -> ChatMessage:
+    content: str | None
+    if isinstance(m.content, list):
+        texts = []
+        for j, part in enumerate(m.content):
+            if part.type not in ("text", "input_text") or part.text is None:
+                raise BadRequest(f"content part type '{part.type}' is not supported by this model",
+                                 param=f"messages[{i}].content[{j}].type")
+            texts.append(part.text)
+        content = "".join(texts)
+    else:
+        content = m.content
+    role = "system" if m.role == "developer" else m.role
+    return ChatMessage(role=role, content=content, tool_calls=m.tool_calls,
+                       tool_call_id=m.tool_call_id, name=m.name)
+
+
+class CompletionRequest(Sampling, kw_only=True):
+    prompt: str | list[str]
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompt_text(self) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if len(self.prompt) != 1:
+            raise BadRequest("exactly one prompt per request is supported", param="prompt")
+        return self.prompt[0]
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    model: str
+    input: str | list[str]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    def inputs(self) -> list[str]:
+        items = [self.input] if isinstance(self.input, str) else self.input
+        if not items:
+            raise BadRequest("input must not be empty", param="input")
+        if self.dimensions is not None:
+            raise BadRequest("dimensions is not supported", param="dimensions")
+        return items

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from supervisor.demo_model import write_tiny_gguf
+from tests.server import Server, short_tempdir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path: Path) -> Iterator[Server]:
+    models = short_tempdir("gvm")
+    (models / "tiny.gguf").symlink_to(tiny_model_path)
+    srv = Server(models).start()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+@pytest.fixture
+def start_server() -> Iterator[Callable[..., Server]]:
+    started: list[Server] = []
+
+    def start(models_dir: Path, env: dict[str, str] | None = None,
+              args: list[str] | None = None, wait_ready: bool = True) -> Server:
+        srv = Server(models_dir, env=env, args=args)
+        started.append(srv)
+        return srv.start(wait_ready=wait_ready)
+
+    yield start
+    for srv in started:
+        srv.cleanup()

@@ -1,0 +1,154 @@
+"""A real gpuvisor parent process for tests (started with ``python -m supervisor``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+_LISTEN = re.compile(r"gpuvisor listening on http://[^:]+:(\d+)")
+
+# Quick liveness and restart settings so failure paths are fast to test.
+FAST_ENV = {
+    "GPUVISOR_PING_INTERVAL": "0.5",
+    "GPUVISOR_PING_TIMEOUT": "5",
+    "GPUVISOR_KILL_GRACE": "2",
+    "GPUVISOR_RESTART_BACKOFF_MIN": "0.2",
+    "GPUVISOR_RESTART_BACKOFF_MAX": "1",
+    "GPUVISOR_N_CTX": "1024",
+    "GPUVISOR_N_THREADS": "1",
+    "GPUVISOR_WRITE_DEMO_MODEL": "false",
+    "GPUVISOR_SHUTDOWN_TIMEOUT": "5",
+}
+
+
+def short_tempdir(prefix: str = "gv") -> Path:
+    # Unix socket paths live under the state dir and are limited to ~108 bytes.
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+class Server:
+    def __init__(self, models_dir: Path, state_dir: Path | None = None,
+                 env: dict[str, str] | None = None, args: list[str] | None = None,
+                 model: str | None = None) -> None:
+        self.models_dir = models_dir
+        self.state_dir = state_dir or short_tempdir()
+        self.extra_env = env or {}
+        self.args = args or []
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.state_dir / "server.log"
+        ids = sorted(p.name[:-5] for p in models_dir.glob("*.gguf"))
+        self.model = model or (ids[0] if ids else "")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUVISOR_")}
+        env.update(FAST_ENV)
+        env.update(self.extra_env)
+        env["PYTHONPATH"] = str(REPO)
+        return env
+
+    def start(self, wait_ready: bool = True) -> Server:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        offset = self.log_path.stat().st_size
+        cmd = [sys.executable, "-m", "supervisor", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), "--state-dir", str(self.state_dir),
+               "--models-dir", str(self.models_dir), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
+                                     cwd=REPO, stdin=subprocess.DEVNULL)
+        log.close()
+        self.port = self._wait_port(offset)
+        if wait_ready and self.model:
+            self.wait_ready()
+        return self
+
+    def _wait_port(self, offset: int, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log_path.read_bytes()[offset:].decode(errors="replace")
+            found = _LISTEN.search(text)
+            if found:
+                return int(found.group(1))
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{text}")
+            time.sleep(0.05)
+        raise TimeoutError(f"server did not start:\n{self.log_text()}")
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.base_url + "/readyz", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet: try again
+            time.sleep(0.05)
+        raise TimeoutError(f"server not ready:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def workers(self) -> list[dict[str, Any]]:
+        return httpx.get(self.base_url + "/api/workers", timeout=10).json()["workers"]
+
+    def worker(self, model: str | None = None) -> dict[str, Any]:
+        model = model or self.model
+        for w in self.workers():
+            if w["model"] == model and w["mode"] == "generate":
+                return w
+        raise KeyError(model)
+
+    def wait_worker(self, pred: Any, model: str | None = None, timeout: float = 30) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                w = self.worker(model)
+                if pred(w):
+                    return w
+            except KeyError:
+                pass  # not started yet
+            time.sleep(0.05)
+        raise TimeoutError(f"worker never matched; last: {self.workers()}")
+
+    def kill_worker(self, model: str | None = None) -> int:
+        pid = int(self.wait_worker(lambda w: w["state"] == "ready", model)["pid"])
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        code = self.proc.returncode
+        self.proc = None
+        return code
+
+    def restart(self) -> Server:
+        self.stop()
+        return self.start()
+
+    def cleanup(self) -> None:
+        self.stop(signal.SIGKILL if self.proc is not None and self.proc.poll() is None else signal.SIGTERM)
+        shutil.rmtree(self.state_dir, ignore_errors=True)

@@ -1,0 +1,154 @@
+"""IPC framing and decoding, and a real worker answering bad frames cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from tests.server import REPO, short_tempdir
+from worker import protocol as p
+
+ALL_TO_WORKER = [
+    p.Generate(1, p.SamplingParams(max_tokens=5, stop=["x"], json_object=True),
+               messages=[p.ChatMessage("user", "hi")], tools=[{"type": "function"}],
+               template_vars={"enable_thinking": False}, request_id="r1"),
+    p.Generate(2, prompt="once upon"),
+    p.Tokenize(3, "hello", add_special=False),
+    p.Embed(4, ["a", "b"]),
+    p.Cancel(5),
+    p.Ping(6),
+    p.Shutdown(),
+]
+STATS = p.WorkerStats(True, 1, 2, 3, 4)
+ALL_FROM_WORKER = [
+    p.Hello(p.PROTOCOL_VERSION, 123, p.ModelFacts("/m.gguf", 512, 2048, 300, True, False, "{{x}}")),
+    p.LoadFailed(p.PROTOCOL_VERSION, "bad file"),
+    p.Delta(1, "héllo", 2),
+    p.Done(1, "length", 10, 5, 3, 0.1, 0.2),
+    p.Error(1, "context_length_exceeded", "too long"),
+    p.Tokens(3, [1, 2, 3]),
+    p.Embeddings(4, [[0.5, 0.25]], 7),
+    p.Pong(6, STATS),
+    p.Heartbeat(STATS),
+]
+
+
+def _reader(data: bytes, eof: bool = True) -> asyncio.StreamReader:
+    r = asyncio.StreamReader()
+    r.feed_data(data)
+    if eof:
+        r.feed_eof()
+    return r
+
+
+@pytest.mark.parametrize("msg", ALL_TO_WORKER, ids=lambda m: type(m).__name__)
+async def test_round_trip_to_worker(msg: msgspec.Struct) -> None:
+    frame = p.parent_codec().encode(msg)
+    body = await p.read_frame(_reader(frame))
+    assert body is not None
+    assert p.worker_codec().decode(body) == msg
+
+
+@pytest.mark.parametrize("msg", ALL_FROM_WORKER, ids=lambda m: type(m).__name__)
+async def test_round_trip_from_worker(msg: msgspec.Struct) -> None:
+    frame = p.worker_codec().encode(msg)
+    body = await p.read_frame(_reader(frame))
+    assert body is not None
+    assert p.parent_codec().decode(body) == msg
+
+
+async def test_clean_eof_is_none_and_truncation_is_an_error() -> None:
+    assert await p.read_frame(_reader(b"")) is None
+    frame = p.parent_codec().encode(p.Ping(1))
+    with pytest.raises(p.TruncatedFrame):
+        await p.read_frame(_reader(frame[:2]))
+    with pytest.raises(p.TruncatedFrame):
+        await p.read_frame(_reader(frame[:-1]))
+
+
+async def test_oversize_frame_is_refused_before_reading_it() -> None:
+    header = struct.pack(">I", p.MAX_FRAME + 1)
+    with pytest.raises(p.FrameTooLarge):
+        # No body follows and no EOF is fed: a reader that tried to read it would hang.
+        await asyncio.wait_for(p.read_frame(_reader(header, eof=False)), 2)
+
+
+def test_garbage_and_invalid_messages_raise_invalid_message() -> None:
+    codec = p.worker_codec()
+    with pytest.raises(p.InvalidMessage):
+        codec.decode(b"\xc1\xff\x00garbage")
+    with pytest.raises(p.InvalidMessage):
+        codec.decode(msgspec.msgpack.encode({"type": "Generate", "id": "not-an-int"}))
+    with pytest.raises(p.InvalidMessage):
+        codec.decode(msgspec.msgpack.encode({"type": "NoSuchMessage"}))
+
+
+async def test_real_worker_answers_bad_frames_with_errors(tiny_model_path: Path) -> None:
+    """Garbage and invalid frames get Error(-1) replies; the connection stays usable."""
+    sock = short_tempdir() / "w.sock"
+    conn: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
+        asyncio.get_running_loop().create_future())
+    server = await asyncio.start_unix_server(lambda r, w: conn.set_result((r, w)), path=str(sock))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "worker", "--socket", str(sock), "--model", str(tiny_model_path),
+        "--n-ctx", "256", "--threads", "1", stdin=asyncio.subprocess.PIPE, cwd=REPO)
+    try:
+        reader, writer = await asyncio.wait_for(conn, 60)
+        codec = p.parent_codec()
+
+        async def next_msg() -> p.FromWorker:
+            while True:
+                body = await asyncio.wait_for(p.read_frame(reader), 30)
+                assert body is not None
+                msg = codec.decode(body)
+                if not isinstance(msg, p.Heartbeat):
+                    return msg
+
+        hello = await next_msg()
+        assert isinstance(hello, p.Hello) and hello.protocol_version == p.PROTOCOL_VERSION
+        assert hello.facts.n_ctx == 256 and hello.facts.has_chat_template
+        garbage = b"\xc1\xc1\xc1"
+        writer.write(struct.pack(">I", len(garbage)) + garbage)
+        invalid = msgspec.msgpack.encode({"type": "Generate", "id": "x"})
+        writer.write(struct.pack(">I", len(invalid)) + invalid)
+        writer.write(codec.encode(p.Ping(7)))
+        replies = [await next_msg() for _ in range(3)]
+        assert [type(r).__name__ for r in replies] == ["Error", "Error", "Pong"]
+        assert all(r.id == -1 for r in replies[:2])  # type: ignore[union-attr]
+        assert replies[2].seq == 7  # type: ignore[union-attr]
+        writer.write(codec.encode(p.Shutdown()))
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        server.close()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_worker_exits_3_on_a_bad_model_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a gguf file at all" * 10)
+    sock = short_tempdir() / "w.sock"
+    conn: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
+        asyncio.get_running_loop().create_future())
+    server = await asyncio.start_unix_server(lambda r, w: conn.set_result((r, w)), path=str(sock))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "worker", "--socket", str(sock), "--model", str(bad),
+        stdin=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, cwd=REPO)
+    try:
+        reader, _ = await asyncio.wait_for(conn, 60)
+        body = await asyncio.wait_for(p.read_frame(reader), 30)
+        assert body is not None
+        msg = p.parent_codec().decode(body)
+        assert isinstance(msg, p.LoadFailed) and "bad.gguf" in msg.reason
+        assert await asyncio.wait_for(proc.wait(), 30) == 3
+    finally:
+        server.close()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

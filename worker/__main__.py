@@ -1,0 +1,36 @@
+"""``python -m worker``: load one GGUF and serve it to the parent over IPC.
+
+Exit codes are part of the contract: 0 = asked to stop (or parent gone),
+3 = the model cannot be loaded (do not restart), anything else = crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from worker.engine import EngineOptions
+from worker.server import run
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m worker")
+    ap.add_argument("--socket", required=True, help="parent's Unix socket to connect to")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--n-ctx", type=int, default=4096)
+    ap.add_argument("--n-gpu-layers", type=int, default=-1)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--embedding", action="store_true")
+    ap.add_argument("--heartbeat", type=float, default=1.0)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    opts = EngineOptions(args.model, args.n_ctx, args.n_gpu_layers, args.threads, args.embedding)
+    return asyncio.run(run(opts, args.socket, args.heartbeat))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The IPC protocol between the parent and a model worker.
+
+Transport: the parent listens on a Unix socket in its state dir (one socket per
+worker spawn, path passed on the worker's command line); the worker connects
+back, sends ``Hello`` (or ``LoadFailed``) and then serves requests.
+
+Framing: a 4-byte big-endian length, then one msgpack message. Frames above
+``MAX_FRAME`` are refused on read. A clean EOF between frames is ``None`` from
+:func:`read_frame`; EOF inside a frame is :class:`TruncatedFrame`.
+
+Messages are tagged ``msgspec.Struct``s, one union per direction. New fields
+get defaults; a field never changes type. Bump ``PROTOCOL_VERSION`` only for
+changes an old peer cannot ignore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Any, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 16 * 1024 * 1024
+_HEADER = struct.Struct(">I")
+
+
+class ProtocolError(Exception):
+    """Base of every error raised by framing or decoding."""
+
+
+class FrameTooLarge(ProtocolError):
+    pass
+
+
+class TruncatedFrame(ProtocolError):
+    pass
+
+
+class InvalidMessage(ProtocolError):
+    pass
+
+
+# ---------------------------------------------------------------- shared parts
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    role: str
+    content: str | None = None
+    # OpenAI-style tool calls of an assistant turn, passed to the chat template.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    # Reasoning text of an earlier assistant turn (templates may render it).
+    reasoning_content: str | None = None
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 40
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    # Constrain the output: a GBNF grammar, or a JSON schema (as JSON text)
+    # that the worker turns into a grammar. ``json_object`` = any JSON object.
+    grammar: str | None = None
+    json_schema: str | None = None
+    json_object: bool = False
+    ignore_eos: bool = False
+
+
+# ------------------------------------------------------------ parent -> worker
+
+
+class Generate(msgspec.Struct, tag=True, omit_defaults=True):
+    """Stream a completion. Exactly one of ``messages`` / ``prompt`` is set."""
+
+    id: int
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    # Extra variables for the chat template (e.g. enable_thinking).
+    template_vars: dict[str, Any] = {}
+    request_id: str = ""
+
+
+class Tokenize(msgspec.Struct, tag=True):
+    id: int
+    text: str
+    add_special: bool = True
+
+
+class Embed(msgspec.Struct, tag=True):
+    id: int
+    inputs: list[str]
+
+
+class Cancel(msgspec.Struct, tag=True):
+    id: int
+
+
+class Ping(msgspec.Struct, tag=True):
+    seq: int
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+ToWorker = Generate | Tokenize | Embed | Cancel | Ping | Shutdown
+
+
+# ------------------------------------------------------------ worker -> parent
+
+
+class ModelFacts(msgspec.Struct):
+    path: str
+    n_ctx: int
+    n_ctx_train: int
+    n_vocab: int
+    has_chat_template: bool
+    embedding: bool
+    chat_template: str | None = None
+
+
+class Hello(msgspec.Struct, tag=True):
+    protocol_version: int
+    pid: int
+    facts: ModelFacts
+
+
+class LoadFailed(msgspec.Struct, tag=True):
+    protocol_version: int
+    reason: str
+
+
+class Delta(msgspec.Struct, tag=True):
+    id: int
+    text: str
+    n_tokens: int
+
+
+class Done(msgspec.Struct, tag=True):
+    id: int
+    finish_reason: Literal["stop", "length", "cancelled"]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    # Seconds from request receipt to first token, and generation time after it.
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+class Error(msgspec.Struct, tag=True):
+    """Ends request ``id`` (or, with id -1, answers an undecodable frame)."""
+
+    id: int
+    code: str
+    message: str
+
+
+class Tokens(msgspec.Struct, tag=True):
+    id: int
+    tokens: list[int]
+
+
+class Embeddings(msgspec.Struct, tag=True):
+    id: int
+    vectors: list[list[float]]
+    prompt_tokens: int
+
+
+class WorkerStats(msgspec.Struct):
+    busy: bool
+    requests_done: int
+    requests_cancelled: int
+    tokens_generated: int
+    active_id: int | None = None
+
+
+class Pong(msgspec.Struct, tag=True):
+    seq: int
+    stats: WorkerStats
+
+
+class Heartbeat(msgspec.Struct, tag=True):
+    stats: WorkerStats
+
+
+FromWorker = Hello | LoadFailed | Delta | Done | Error | Tokens | Embeddings | Pong | Heartbeat
+
+
+# -------------------------------------------------------------------- framing
+
+
+class Codec:
+    """One encoder and one typed decoder, built once per connection."""
+
+    def __init__(self, incoming: Any) -> None:
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(incoming)
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        body = self._enc.encode(msg)
+        if len(body) > MAX_FRAME:
+            raise FrameTooLarge(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
+        return _HEADER.pack(len(body)) + body
+
+    def decode(self, body: bytes) -> Any:
+        try:
+            return self._dec.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise InvalidMessage(str(exc)) from exc
+
+
+def parent_codec() -> Codec:
+    return Codec(FromWorker)
+
+
+def worker_codec() -> Codec:
+    return Codec(ToWorker)
+
+
+async def read_frame(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME) -> bytes | None:
+    """Return one frame body, or None on a clean EOF between frames."""
+    try:
+        header = await reader.readexactly(_HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise TruncatedFrame("EOF inside a frame header") from exc
+    (length,) = _HEADER.unpack(header)
+    if length > max_frame:
+        raise FrameTooLarge(f"frame of {length} bytes exceeds {max_frame}")
+    try:
+        return await reader.readexactly(length)
+    except asyncio.IncompleteReadError as exc:
+        raise TruncatedFrame(f"EOF after {len(exc.partial)} of {length} bytes") from exc

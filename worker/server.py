@@ -1,0 +1,184 @@
+"""The worker's IPC loop: one connection to the parent, one generation thread.
+
+Frames are read on the asyncio loop; generation and embedding run on a single
+worker thread. Messages produced by that thread are queued and written by the
+loop, merging consecutive deltas of one request when the loop falls behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+
+from worker import protocol as p
+from worker.engine import Engine, EngineOptions, LoadError
+
+EXIT_OK = 0
+EXIT_LOAD_FAILED = 3
+
+
+def watch_stdin() -> None:
+    """Exit as soon as the parent is gone (its end of our stdin closes)."""
+
+    def run() -> None:
+        # os.read, not sys.stdin: a daemon thread blocked inside the buffered
+        # reader would abort the interpreter at exit.
+        while os.read(0, 65536):
+            pass
+        os._exit(EXIT_OK)
+
+    threading.Thread(target=run, name="stdin-watch", daemon=True).start()
+
+
+class Outbox:
+    """Thread-safe queue of outgoing messages, flushed on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, writer: asyncio.StreamWriter) -> None:
+        self._loop = loop
+        self._writer = writer
+        self._codec = p.worker_codec()
+        self._lock = threading.Lock()
+        self._pending: list[msgspec.Struct] = []
+        self._scheduled = False
+
+    def put(self, msg: msgspec.Struct) -> None:
+        with self._lock:
+            last = self._pending[-1] if self._pending else None
+            if isinstance(msg, p.Delta) and isinstance(last, p.Delta) and last.id == msg.id:
+                self._pending[-1] = p.Delta(msg.id, last.text + msg.text, last.n_tokens + msg.n_tokens)
+            else:
+                self._pending.append(msg)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._flush)
+
+    def send(self, msg: msgspec.Struct) -> None:
+        """Send from the loop thread, after anything already queued."""
+        self.put(msg)
+
+    def _flush(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+            self._scheduled = False
+        if not self._writer.is_closing():
+            self._writer.write(b"".join(self._codec.encode(m) for m in batch))
+
+
+class WorkerServer:
+    def __init__(self, engine: Engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 heartbeat_s: float) -> None:
+        self.engine = engine
+        self.reader = reader
+        self.writer = writer
+        self.heartbeat_s = heartbeat_s
+        self.outbox = Outbox(asyncio.get_running_loop(), writer)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        self.codec = p.worker_codec()
+        self.cancels: dict[int, threading.Event] = {}
+        self.active: int | None = None
+
+    def stats(self) -> p.WorkerStats:
+        c = self.engine.counters
+        return p.WorkerStats(self.active is not None, c.requests_done, c.requests_cancelled,
+                             c.tokens_generated, self.active)
+
+    async def heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            self.outbox.send(p.Heartbeat(self.stats()))
+
+    async def serve(self) -> int:
+        beat = asyncio.create_task(self.heartbeat(), name="heartbeat")
+        try:
+            return await self._read_loop()
+        finally:
+            beat.cancel()
+            for ev in self.cancels.values():
+                ev.set()
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _read_loop(self) -> int:
+        while True:
+            try:
+                body = await p.read_frame(self.reader)
+            except p.ProtocolError as exc:
+                # A broken stream cannot be resynchronised: report and stop.
+                self.outbox.send(p.Error(-1, "protocol_error", str(exc)))
+                return 1
+            if body is None:
+                return EXIT_OK
+            try:
+                msg = self.codec.decode(body)
+            except p.InvalidMessage as exc:
+                self.outbox.send(p.Error(-1, "invalid_message", str(exc)))
+                continue
+            if isinstance(msg, p.Shutdown):
+                return EXIT_OK
+            self.dispatch(msg)
+
+    def dispatch(self, msg: p.ToWorker) -> None:
+        match msg:
+            case p.Generate():
+                self._start(msg.id, lambda ev: self.engine.generate(msg, self.outbox.put, ev))
+            case p.Embed():
+                self._start(msg.id, lambda ev: self._embed(msg))
+            case p.Cancel():
+                ev = self.cancels.get(msg.id)
+                if ev is not None:
+                    ev.set()
+            case p.Ping():
+                self.outbox.send(p.Pong(msg.seq, self.stats()))
+            case p.Tokenize():
+                self.outbox.send(p.Tokens(msg.id, self.engine.tokenize(msg.text, msg.add_special)))
+
+    def _embed(self, msg: p.Embed) -> None:
+        if not self.engine.opts.embedding:
+            self.outbox.put(p.Error(msg.id, "not_embedding_model", "worker is not in embedding mode"))
+            return
+        vectors, count = self.engine.embed(msg.inputs)
+        self.outbox.put(p.Embeddings(msg.id, vectors, count))
+
+    def _start(self, req_id: int, work: Callable[[threading.Event], None]) -> None:
+        if self.active is not None:
+            self.outbox.send(p.Error(req_id, "busy", f"request {self.active} is still running"))
+            return
+        ev = threading.Event()
+        self.cancels[req_id] = ev
+        self.active = req_id
+        fut = asyncio.get_running_loop().run_in_executor(self.executor, work, ev)
+        fut.add_done_callback(lambda f: self._finished(req_id, f))
+
+    def _finished(self, req_id: int, fut: asyncio.Future[None]) -> None:
+        self.cancels.pop(req_id, None)
+        self.active = None
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            # Reported to the parent as this request's terminal error.
+            self.outbox.send(p.Error(req_id, "internal_error", f"{type(exc).__name__}: {exc}"))
+
+
+async def run(opts: EngineOptions, socket_path: str, heartbeat_s: float) -> int:
+    watch_stdin()
+    reader, writer = await asyncio.open_unix_connection(socket_path)
+    codec = p.worker_codec()
+    try:
+        engine = Engine(opts)
+    except LoadError as exc:
+        writer.write(codec.encode(p.LoadFailed(p.PROTOCOL_VERSION, str(exc))))
+        await writer.drain()
+        writer.close()
+        return EXIT_LOAD_FAILED
+    writer.write(codec.encode(p.Hello(p.PROTOCOL_VERSION, os.getpid(), engine.facts)))
+    await writer.drain()
+    code = await WorkerServer(engine, reader, writer, heartbeat_s).serve()
+    writer.close()
+    return code
+
