@@ -28,7 +28,7 @@ from jobs.context import (
     JobStopped,
 )
 from jobs.events import JobIO
-from jobs.params import KINDS, JobParams
+from jobs.params import JobParams, job_kinds
 
 
 class JobModule(Protocol):
@@ -47,7 +47,7 @@ def _keepalive(out: IO[bytes], interval: float, stop: threading.Event) -> None:
 
 
 def run_job(kind: str, io: JobIO, stdout: IO[bytes]) -> int:
-    spec = KINDS[kind]
+    spec = job_kinds()[kind]
     try:
         # Read the input before the stdin watchdog starts consuming the pipe.
         job_input = io.read_input()
@@ -82,8 +82,8 @@ def run_job(kind: str, io: JobIO, stdout: IO[bytes]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[1] not in KINDS:
-        print(f"usage: python -m jobs {{{','.join(sorted(KINDS))}}}", file=sys.stderr)
+    if len(argv) != 2 or argv[1] not in job_kinds():
+        print(f"usage: python -m jobs {{{','.join(sorted(job_kinds()))}}}", file=sys.stderr)
         return EXIT_USAGE
     stdout = sys.stdout.buffer
     io = JobIO(stdin=sys.stdin.buffer, stdout=stdout)

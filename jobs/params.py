@@ -12,6 +12,8 @@ params carry the resolved absolute paths, so the job process trusts them.
 
 from __future__ import annotations
 
+import functools
+
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -200,8 +202,13 @@ class KindSpec:
     grace_s: float = 30.0
 
 
+@functools.cache
 def job_kinds() -> Mapping[str, KindSpec]:
+    # Imported here: download_params imports JobParams from this module.
+    from jobs.download_params import DownloadParams
+
     specs = [
+        KindSpec("download", DownloadParams, "jobs.download", "download a model from the Hub"),
         KindSpec("dataset", DatasetParams, "jobs.dataset", "convert a dataset to chat JSONL"),
         KindSpec("quantize", QuantizeParams, "jobs.quantize", "quantize a GGUF model"),
         KindSpec("sleep", SleepParams, "jobs.sleep", "a cheap test job", grace_s=10.0),
@@ -209,15 +216,12 @@ def job_kinds() -> Mapping[str, KindSpec]:
     return MappingProxyType({s.name: s for s in specs})
 
 
-KINDS: Mapping[str, KindSpec] = job_kinds()
-
-
 def kind_spec(kind: str) -> KindSpec:
     try:
-        return KINDS[kind]
+        return job_kinds()[kind]
     except KeyError:
         raise BadRequest(
-            f"unknown job kind {kind!r}; known: {', '.join(sorted(KINDS))}", param="kind"
+            f"unknown job kind {kind!r}; known: {', '.join(sorted(job_kinds()))}", param="kind"
         ) from None
 
 

@@ -1,30 +1,43 @@
 """Application wiring: middleware, routes and the resources the app owns.
 
-Every long-lived resource (database, worker pool) is created and torn down by
-a cleanup context, so they unwind in reverse order of creation.
+Every long-lived resource is created and torn down by a cleanup context, so
+they unwind in reverse order: database, model library (and its watcher), GPU
+lease, worker pool, job runner.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 from aiohttp import web
 
-from supervisor import routes_openai, routes_web
+from jobs.params import Roots
+from jobs.store import JOBS_SCHEMA, JobStore
+from supervisor import routes_jobs, routes_openai, routes_web
 from supervisor.config import Config
+from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
 from supervisor.handle import Timing
 from supervisor.httputil import error_response, json_response
-from supervisor.keys import CONFIG, POOL, STARTED_AT
-from supervisor.models_dir import ModelsDir, ensure_demo_model
+from supervisor.keys import CONFIG, DB, LIBRARY, POOL, STARTED_AT
+from supervisor.lease import GpuLease, detect_devices
+from supervisor.library import ModelLibrary
+from supervisor.models_dir import LibrarySource, ensure_demo_model
 from supervisor.pool import WorkerPool
+from supervisor.runner import JobRunner, RunnerSettings
 
 log = logging.getLogger("gpuvisor.http")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# Database migrations, in order; only ever append.
+MIGRATIONS = [JOBS_SCHEMA]
 
 
 @web.middleware
@@ -64,30 +77,83 @@ def timing_from(cfg: Config) -> Timing:
     )
 
 
-def preload_list(cfg: Config, models: ModelsDir) -> list[str]:
-    """Configured preloads; with none, the only model when there is exactly one."""
-    if cfg.preload:
-        return list(cfg.preload)
-    ids = models.model_ids()
-    return ids if len(ids) == 1 else []
+def roots_from(cfg: Config) -> Roots:
+    roots = Roots(Path(cfg.models_dir), Path(cfg.datasets_dir), Path(cfg.outputs_dir))
+    for d in roots.all():
+        d.mkdir(parents=True, exist_ok=True)
+    return roots
 
 
-async def pool_ctx(app: web.Application) -> AsyncIterator[None]:
+async def db_ctx(app: web.Application) -> AsyncIterator[None]:
+    db = Database(app[CONFIG].db_path, MIGRATIONS)
+    await db.open()
+    app[DB] = db
+    yield
+    await db.close()
+
+
+async def library_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     if cfg.write_demo_model:
         written = ensure_demo_model(cfg.models_path, cfg.state_path)
         if written is not None:
             log.info("wrote the tiny random demo model to %s", written)
-    models = ModelsDir(cfg.models_path)
-    pool = WorkerPool(models, cfg, timing_from(cfg), cfg.run_path, cfg.state_path / "logs")
+    dirs = [cfg.models_path, *(Path(d) for d in cfg.extra_model_dirs)]
+    library = ModelLibrary(dirs, Path(cfg.hf_cache_dir) if cfg.hf_cache_dir else None,
+                           settle_s=cfg.library_settle_s)
+    app[LIBRARY] = library
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(library.watch(stop), name="library-watch")
+    # Serve only once the first scan has run (a just-written file settles first).
+    await asyncio.wait({watcher, asyncio.ensure_future(library.watching.wait())},
+                       return_when=asyncio.FIRST_COMPLETED)
+    if library.pending:
+        await asyncio.wait_for(library.wait_until(lambda lib: not lib.pending), cfg.library_settle_s * 4 + 2)
+    yield
+    stop.set()
+    await watcher
+
+
+async def lab_ctx(app: web.Application) -> AsyncIterator[None]:
+    """GPU lease, worker pool and job runner: they share the lease."""
+    cfg = app[CONFIG]
+    lease = GpuLease(await detect_devices(cfg.devices), drain_timeout=cfg.drain_timeout)
+    source = LibrarySource(app[LIBRARY])
+    pool = WorkerPool(source, cfg, timing_from(cfg), cfg.run_path, cfg.state_path / "logs",
+                      admission=lease.worker_admission, device=lease.default_device)
+    lease.set_users(pool)
+    roots = roots_from(cfg)
+    extra_env = {"HF_TOKEN": cfg.hf_token} if cfg.hf_token else {}
+    if cfg.hf_cache_dir:
+        extra_env["HF_HUB_CACHE"] = cfg.hf_cache_dir
+    runner = JobRunner(JobStore(app[DB]), lease, RunnerSettings(
+        state_dir=cfg.state_path, roots=roots, python=sys.executable,
+        max_concurrent=cfg.max_concurrent_jobs or None, grace_s={},
+        heartbeat_timeout_s=cfg.job_heartbeat_timeout,
+        retention_s=cfg.job_retention_days * 86400, extra_env=extra_env))
     app[POOL] = pool
-    for model_id in preload_list(cfg, models):
+    app[routes_jobs.LEASE] = lease
+    app[routes_jobs.JOB_STORE] = runner.store
+    app[routes_jobs.JOB_RUNNER] = runner
+    app[routes_jobs.JOB_SETTINGS] = routes_jobs.JobSettings(
+        roots, max_upload_bytes=cfg.max_upload_bytes, model_lookup=source.resolve)
+    await runner.start()
+    for model_id in preload_list(cfg, source):
         try:
             await pool.load(model_id)
         except ApiError as err:
             log.error("cannot preload %s: %s", model_id, err.message)
     yield
+    await runner.stop()
     await pool.stop_all()
+
+
+def preload_list(cfg: Config, models: LibrarySource) -> list[str]:
+    """Configured preloads; with none, the only model when there is exactly one."""
+    if cfg.preload:
+        return list(cfg.preload)
+    ids = models.model_ids()
+    return ids if len(ids) == 1 else []
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -112,10 +178,11 @@ def build_app(cfg: Config) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
     app[CONFIG] = cfg
     app[STARTED_AT] = time.time()
-    app.cleanup_ctx.append(pool_ctx)
+    app.cleanup_ctx.extend([db_ctx, library_ctx, lab_ctx])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/api/workers", workers)
     routes_openai.add_routes(app)
+    routes_jobs.add_routes(app)
     routes_web.add_routes(app)
     return app

@@ -48,6 +48,21 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     crash_window: float = 60.0
     shutdown_timeout: float = 15.0
     write_demo_model: bool = True
+    # Model library
+    extra_model_dirs: list[str] = []
+    hf_cache_dir: str = ""
+    hf_token: str = ""
+    library_settle_s: float = 0.5
+    # Lab: jobs and the GPU lease
+    datasets_dir: str = ""
+    outputs_dir: str = ""
+    devices: list[str] = []
+    max_concurrent_jobs: int = 0
+    job_grace_s: float = 30.0
+    job_heartbeat_timeout: float = 120.0
+    job_retention_days: float = 14.0
+    drain_timeout: float = 30.0
+    max_upload_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -56,6 +71,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("queue_limit must be >= 0")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError("log_level must be debug, info, warning or error")
 
     @property
     def state_path(self) -> Path:
@@ -126,7 +143,9 @@ def load_config(
         cfg = msgspec.convert(merged, Config, strict=False)
     except msgspec.ValidationError as exc:
         key = validation_param(exc)
-        raise ConfigError(f"invalid setting {key or ''}: {exc}".replace("  ", " ")) from exc
-    if not cfg.models_dir:
-        cfg.models_dir = str(Path(cfg.state_dir) / "models")
+        where = f" {key}" if key else ""
+        raise ConfigError(f"invalid setting{where}: {exc}") from exc
+    for name, sub in (("models_dir", "models"), ("datasets_dir", "datasets"), ("outputs_dir", "outputs")):
+        if not getattr(cfg, name):
+            setattr(cfg, name, str(Path(cfg.state_dir) / sub))
     return cfg

@@ -9,9 +9,11 @@ from aiohttp import web
 if TYPE_CHECKING:
     from supervisor.config import Config
     from supervisor.db import Database
+    from supervisor.library import ModelLibrary
     from supervisor.pool import WorkerPool
 
 CONFIG: web.AppKey[Config] = web.AppKey("config")
 POOL: web.AppKey[WorkerPool] = web.AppKey("pool")
 DB: web.AppKey[Database] = web.AppKey("db")
 STARTED_AT: web.AppKey[float] = web.AppKey("started_at")
+LIBRARY: web.AppKey[ModelLibrary] = web.AppKey("library")

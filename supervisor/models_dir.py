@@ -1,38 +1,35 @@
-"""The simplest model source: GGUF files directly in the models dir.
-
-A model id is the file name without ``.gguf``. Temporary and hidden names
-are skipped. (The full library with shards, projectors and the Hugging Face
-cache replaces this where it is wired in.)
-"""
+"""The pool's view of the model library, and the first-start demo model."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from supervisor.demo_model import DEMO_MODEL_NAME, write_tiny_gguf
+from supervisor.library import ModelEntry, ModelLibrary
 
 DEMO_MARKER = ".demo-model-written"
 
 
-class ModelsDir:
-    def __init__(self, root: Path) -> None:
-        self.root = root
+class LibrarySource:
+    """Adapts :class:`ModelLibrary` to the pool's ``ModelSource`` protocol.
 
-    def _files(self) -> dict[str, Path]:
-        if not self.root.is_dir():
-            return {}
-        out: dict[str, Path] = {}
-        for path in sorted(self.root.glob("*.gguf")):
-            if path.name.startswith(".") or not path.is_file():
-                continue
-            out[path.name[: -len(".gguf")]] = path
-        return out
+    An entry whose header could not be read still resolves: loading it then
+    fails in the worker with exit code 3 and the reason is shown, rather than
+    the model silently vanishing.
+    """
+
+    def __init__(self, library: ModelLibrary) -> None:
+        self.library = library
 
     def resolve(self, model_id: str) -> Path | None:
-        return self._files().get(model_id)
+        entry = self.library.get(model_id)
+        return None if entry is None else Path(entry.path)
 
     def model_ids(self) -> list[str]:
-        return list(self._files())
+        return sorted(e.id for e in self.library.list())
+
+    def entries(self) -> list[ModelEntry]:
+        return sorted(self.library.list(), key=lambda e: e.id)
 
 
 def ensure_demo_model(models_dir: Path, state_dir: Path) -> Path | None:
@@ -41,7 +38,7 @@ def ensure_demo_model(models_dir: Path, state_dir: Path) -> Path | None:
     if marker.exists():
         return None
     models_dir.mkdir(parents=True, exist_ok=True)
-    if any(models_dir.glob("*.gguf")):
+    if any(models_dir.rglob("*.gguf")):
         return None
     path = write_tiny_gguf(models_dir / f"{DEMO_MODEL_NAME}.gguf")
     marker.write_text("the tiny random demo model was written on first start\n")

@@ -21,6 +21,7 @@ from supervisor.errors import (
     Unavailable,
     UpstreamError,
 )
+from supervisor.models_dir import LibrarySource
 from supervisor.handle import (
     NotAccepting,
     Pending,
@@ -39,12 +40,6 @@ log = logging.getLogger("gpuvisor.pool")
 _CLIENT_ERRORS = {"context_length_exceeded", "template_error", "invalid_grammar"}
 
 
-class ModelSource(Protocol):
-    def resolve(self, model_id: str) -> Path | None: ...
-
-    def model_ids(self) -> list[str]: ...
-
-
 Admission = Callable[[str], str | None]
 
 
@@ -60,7 +55,7 @@ def _no_lease(_device: str) -> str | None:
 
 
 class WorkerPool:
-    def __init__(self, models: ModelSource, settings: PoolSettings, timing: Timing,
+    def __init__(self, models: LibrarySource, settings: PoolSettings, timing: Timing,
                  run_dir: Path, log_dir: Path, admission: Admission = _no_lease,
                  device: str = "cpu") -> None:
         self.models = models

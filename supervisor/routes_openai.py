@@ -159,11 +159,12 @@ async def embeddings(request: web.Request) -> web.Response:
 async def list_models(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     data = []
-    for model_id in pool.models.model_ids():
-        status = pool.status(model_id)
-        data.append({"id": model_id, "object": "model", "created": 0, "owned_by": "gpuvisor",
-                     "state": status["state"] if status else "unloaded",
-                     "reason": status["reason"] if status else None})
+    for entry in pool.models.entries():
+        status = pool.status(entry.id)
+        state = status["state"] if status else ("unloaded" if entry.usable else "unusable")
+        reason = status["reason"] if status else entry.reason
+        data.append({"id": entry.id, "object": "model", "created": int(entry.mtime),
+                     "owned_by": "gpuvisor", "state": state, "reason": reason})
     return json_response({"object": "list", "data": data})
 
 

@@ -62,6 +62,8 @@ class RunnerSettings:
     log_tail_bytes: int = 2000
     retention_s: float = DEFAULT_RETENTION_S
     prune_interval_s: float = 3600.0
+    # Extra environment for job processes (e.g. HF_TOKEN, HF_HUB_CACHE).
+    extra_env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def logs_dir(self) -> Path:
@@ -290,7 +292,8 @@ class JobRunner:
         return False
 
     def _env(self, devices: list[str]) -> dict[str, str]:
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+        env.update(self.settings.extra_env)
         root = str(Path(jobs.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         if any(self.lease.device(d).index is not None for d in self.lease.devices):
