@@ -19,7 +19,7 @@ from aiohttp import web
 
 from jobs.params import Roots
 from jobs.store import JOBS_SCHEMA, JobStore
-from supervisor import routes_jobs, routes_openai, routes_web
+from supervisor import routes_jobs, routes_models, routes_openai, routes_web
 from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
@@ -184,5 +184,6 @@ def build_app(cfg: Config) -> web.Application:
     app.router.add_get("/api/workers", workers)
     routes_openai.add_routes(app)
     routes_jobs.add_routes(app)
+    routes_models.add_routes(app)
     routes_web.add_routes(app)
     return app

@@ -67,6 +67,8 @@ class WorkerPool:
         self.device = device
         self.handles: dict[tuple[str, bool], WorkerHandle] = {}
         self._lock = asyncio.Lock()
+        # Observers of finished generations (metrics): called with (model, Done).
+        self.on_done: list[Callable[[str, p.Done], None]] = []
 
     # ------------------------------------------------------------ handles
 
@@ -164,6 +166,8 @@ class WorkerPool:
                 if isinstance(ev, p.Delta):
                     yield ev
                 elif isinstance(ev, p.Done):
+                    for observe in self.on_done:
+                        observe(model, ev)
                     yield ev
                     return
                 else:

@@ -1,0 +1,63 @@
+"""``/api/models``: the library with each model's worker state; load and unload."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from supervisor.errors import ModelNotFound
+from supervisor.keys import LIBRARY, POOL
+from supervisor.library import ModelEntry
+from supervisor.pool import WorkerPool
+from supervisor.httputil import json_response
+
+
+def describe_model(entry: ModelEntry, pool: WorkerPool) -> dict[str, Any]:
+    info = entry.info
+    status = pool.status(entry.id)
+    state = status["state"] if status else ("unloaded" if entry.usable else "unusable")
+    return {
+        "id": entry.id,
+        "object": "model",
+        "path": entry.path,
+        "files": len(entry.files),
+        "size_bytes": entry.size_bytes,
+        "source": entry.source,
+        "repo_id": entry.repo_id,
+        "mmproj": entry.mmproj,
+        "quantization": entry.quantization,
+        "architecture": info.architecture if info else None,
+        "context_length": info.context_length if info else None,
+        "n_layer": info.n_layer if info else None,
+        "supports_tools": bool(info and info.supports_tools),
+        "supports_reasoning": bool(info and info.supports_reasoning),
+        "usable": entry.usable,
+        "reason": (status or {}).get("reason") or entry.reason,
+        "state": state,
+        "worker": status,
+    }
+
+
+def _entry(request: web.Request) -> ModelEntry:
+    model_id = request.match_info["id"]
+    entry = request.app[LIBRARY].get(model_id)
+    if entry is None:
+        raise ModelNotFound(f"model '{model_id}' does not exist")
+    return entry
+
+
+async def list_models(request: web.Request) -> web.Response:
+    pool = request.app[POOL]
+    entries = sorted(request.app[LIBRARY].list(), key=lambda e: e.id)
+    return json_response({"object": "list", "data": [describe_model(e, pool) for e in entries]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    return json_response(describe_model(_entry(request), request.app[POOL]))
+
+
+def add_routes(app: web.Application) -> None:
+    # Model ids may contain '/' (sub-directories, Hub repos).
+    app.router.add_get("/api/models", list_models)
+    app.router.add_get("/api/models/{id:.+}", get_model)
