@@ -19,7 +19,7 @@ from aiohttp import web
 
 from jobs.params import Roots
 from jobs.store import JOBS_SCHEMA, JobStore
-from supervisor import routes_jobs, routes_models, routes_openai, routes_web
+from supervisor import responses, routes_jobs, routes_models, routes_openai, routes_web
 from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
@@ -37,7 +37,7 @@ log = logging.getLogger("gpuvisor.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Database migrations, in order; only ever append.
-MIGRATIONS = [JOBS_SCHEMA]
+MIGRATIONS = [JOBS_SCHEMA, responses.RESPONSES_SCHEMA]
 
 
 @web.middleware
@@ -74,6 +74,7 @@ def timing_from(cfg: Config) -> Timing:
         backoff_max=cfg.restart_backoff_max,
         crash_limit=cfg.crash_limit,
         crash_window=cfg.crash_window,
+        load_stall_timeout=cfg.load_stall_timeout,
     )
 
 
@@ -122,6 +123,7 @@ async def lab_ctx(app: web.Application) -> AsyncIterator[None]:
     pool = WorkerPool(source, cfg, timing_from(cfg), cfg.run_path, cfg.state_path / "logs",
                       admission=lease.worker_admission, device=lease.default_device)
     lease.set_users(pool)
+    pool.start()
     roots = roots_from(cfg)
     extra_env = {"HF_TOKEN": cfg.hf_token} if cfg.hf_token else {}
     if cfg.hf_cache_dir:
@@ -164,8 +166,10 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     pool = request.app[POOL]
-    configured = bool(pool.models.model_ids())
-    ready = pool.any_ready() or not configured
+    # Not ready while workers exist but none serves (booting, crashed, failed).
+    # With no worker at all (nothing preloaded, or unloaded after keep-alive)
+    # models load on demand: ready.
+    ready = pool.any_ready() or not pool.handles
     body = {"ready": ready, "workers": pool.workers()}
     return json_response(body, status=200 if ready else 503)
 
@@ -179,6 +183,9 @@ def build_app(cfg: Config) -> web.Application:
     app[CONFIG] = cfg
     app[STARTED_AT] = time.time()
     app.cleanup_ctx.extend([db_ctx, library_ctx, lab_ctx])
+    # After the contexts that provide the database and the pool.
+    responses.setup(app, retention_s=cfg.responses_retention_days * 86400,
+                    keepalive_s=cfg.responses_keepalive_s)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/api/workers", workers)

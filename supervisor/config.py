@@ -7,10 +7,11 @@ that names the key (``ConfigError``).
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -21,6 +22,52 @@ ENV_PREFIX = "GPUVISOR_"
 
 class ConfigError(Exception):
     pass
+
+
+CacheType = Literal["f16", "q8_0", "q4_0"]
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: str | int | float) -> float:
+    """Seconds from 300, "300", "5m", "1h30m" or "-1" (negative = forever)."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = value.strip().lower()
+    try:
+        return float(text)
+    except ValueError:
+        pass  # not a bare number: parse units below
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    parts = _DURATION.findall(body)
+    if not parts or "".join(n + u for n, u in parts) != body:
+        raise ValueError(f"not a duration: {value!r} (use seconds or e.g. 30s, 5m, 1h)")
+    return sign * sum(float(n) * _UNIT[u] for n, u in parts)
+
+
+class ModelSettings(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """How to load one model; every field optional (unset = the global default)."""
+
+    n_ctx: int | None = None
+    cache_type: CacheType | None = None
+    n_gpu_layers: int | None = None
+    draft_ngram: int | None = None
+    keep_alive: str | int | float | None = None
+
+    def __post_init__(self) -> None:
+        if self.n_ctx is not None and self.n_ctx < 16:
+            raise ValueError("n_ctx must be at least 16")
+        if self.draft_ngram is not None and not 0 <= self.draft_ngram <= 64:
+            raise ValueError("draft_ngram must be within 0..64")
+        if self.keep_alive is not None:
+            parse_duration(self.keep_alive)
+
+    def over(self, base: ModelSettings) -> ModelSettings:
+        """These settings, with unset fields taken from ``base``."""
+        merged = msgspec.structs.asdict(base)
+        merged.update({k: v for k, v in msgspec.structs.asdict(self).items() if v is not None})
+        return ModelSettings(**merged)
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -38,7 +85,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     n_ctx: int = 4096
     n_gpu_layers: int = -1
     n_threads: int = 0
-    handshake_timeout: float = 120.0
+    handshake_timeout: float = 600.0
     ping_interval: float = 2.0
     ping_timeout: float = 10.0
     kill_grace: float = 5.0
@@ -48,11 +95,25 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     crash_window: float = 60.0
     shutdown_timeout: float = 15.0
     write_demo_model: bool = True
+    # Model lifecycle
+    max_loaded_models: int = 3
+    keep_alive: str | int | float = "5m"
+    cache_type: CacheType = "f16"
+    draft_ngram: int = 0
+    min_ctx: int = 2048
+    # Memory gpuvisor may use for models (MiB); 0 = whatever is free.
+    memory_budget_mib: int = 0
+    load_wait_timeout: float = 30.0
+    load_stall_timeout: float = 60.0
+    model_defaults: dict[str, ModelSettings] = {}
     # Model library
     extra_model_dirs: list[str] = []
     hf_cache_dir: str = ""
     hf_token: str = ""
     library_settle_s: float = 0.5
+    # Responses API: stored responses are kept this long (0 = forever).
+    responses_retention_days: float = 30.0
+    responses_keepalive_s: float = 10.0
     # Lab: jobs and the GPU lease
     datasets_dir: str = ""
     outputs_dir: str = ""
@@ -71,8 +132,18 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("queue_limit must be >= 0")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.max_loaded_models < 1:
+            raise ValueError("max_loaded_models must be at least 1")
+        parse_duration(self.keep_alive)
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError("log_level must be debug, info, warning or error")
+
+    def model_settings(self, model_id: str) -> ModelSettings:
+        """Global defaults overlaid with this model's own defaults."""
+        base = ModelSettings(n_ctx=self.n_ctx, cache_type=self.cache_type, n_gpu_layers=self.n_gpu_layers,
+                             draft_ngram=self.draft_ngram, keep_alive=self.keep_alive)
+        own = self.model_defaults.get(model_id)
+        return base if own is None else own.over(base)
 
     @property
     def state_path(self) -> Path:

@@ -20,8 +20,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
+import psutil
 
 from worker import protocol as p
 
@@ -70,6 +72,12 @@ class WorkerSpec:
     n_gpu_layers: int
     n_threads: int
     device: str = "cpu"
+    cache_type: str = "f16"
+    draft_ngram: int = 0
+
+    def same_settings(self, other: WorkerSpec) -> bool:
+        return (self.path, self.n_ctx, self.n_gpu_layers, self.cache_type, self.draft_ngram) == (
+            other.path, other.n_ctx, other.n_gpu_layers, other.cache_type, other.draft_ngram)
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,8 @@ class Timing:
     crash_limit: int
     crash_window: float
     heartbeat: float = 1.0
+    # A load that shows no progress (worker memory not growing) for this long fails.
+    load_stall_timeout: float = 60.0
 
 
 @dataclass(eq=False)
@@ -118,6 +128,9 @@ class WorkerHandle:
         self.restarts = 0
         self.last_used = self.clock()
         self.last_seen = self.clock()
+        self.load_progress: float | None = None
+        # Seconds to stay loaded after the last request; negative = forever.
+        self.keep_alive = 300.0
         self.stats: p.WorkerStats | None = None
         self.queue: deque[Pending] = deque()
         self.inflight: Pending | None = None
@@ -281,14 +294,7 @@ class WorkerHandle:
         try:
             self._proc = await self._exec(sock)
             self.pid = self._proc.pid
-            exited = asyncio.ensure_future(self._proc.wait())
-            done, _ = await asyncio.wait({connected, exited}, timeout=self.timing.handshake_timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if connected not in done:
-                exited.cancel()
-                raise HandshakeFailed("worker exited before connecting" if exited in done
-                                      else "no connection within the handshake timeout")
-            exited.cancel()
+            await self._wait_loading(self._proc, connected)
             reader, writer = connected.result()
         finally:
             server.close()
@@ -297,6 +303,41 @@ class WorkerHandle:
         await self._handshake(reader)
         return reader
 
+    async def _wait_loading(self, proc: asyncio.subprocess.Process,
+                            connected: asyncio.Future[Any]) -> None:
+        """Wait for ``connected`` (a connection, then the hello), reporting load progress.
+
+        Progress is the worker's resident memory against the model file size;
+        the load fails when that stops growing for ``load_stall_timeout``
+        (a big model may take minutes, a stuck one should not), or when the
+        whole handshake takes longer than ``handshake_timeout``.
+        """
+        size = max(1, self.spec.path.stat().st_size if self.spec.path.exists() else 1)
+        exited = asyncio.ensure_future(proc.wait())
+        start = last_growth = self.clock()
+        last_rss = 0
+        self.load_progress = 0.0
+        try:
+            while not connected.done():
+                done, _ = await asyncio.wait({connected, exited}, timeout=0.25,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if exited in done and not connected.done():
+                    raise HandshakeFailed("worker exited during its handshake")
+                rss = _rss(proc.pid)
+                now = self.clock()
+                if rss > last_rss:
+                    last_rss, last_growth = rss, now
+                    self.load_progress = min(0.99, rss / size)
+                if now - last_growth > self.timing.load_stall_timeout:
+                    raise HandshakeFailed(
+                        f"loading stalled: no progress for {self.timing.load_stall_timeout:.0f}s")
+                if now - start > self.timing.handshake_timeout:
+                    raise HandshakeFailed("no hello within the handshake timeout")
+        finally:
+            exited.cancel()
+            if not connected.done():
+                connected.cancel()
+
     async def _exec(self, sock: Path) -> asyncio.subprocess.Process:
         s = self.spec
         args = [sys.executable, "-m", "worker", "--socket", str(sock), "--model", str(s.path),
@@ -304,6 +345,10 @@ class WorkerHandle:
                 "--threads", str(s.n_threads), "--heartbeat", str(self.timing.heartbeat)]
         if s.embedding:
             args.append("--embedding")
+        if s.cache_type != "f16":
+            args += ["--cache-type", s.cache_type]
+        if s.draft_ngram > 0:
+            args += ["--draft-ngram", str(s.draft_ngram)]
         env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
         logfile = open(self.log_dir / f"{_safe(s.model_id)}{'.embed' if s.embedding else ''}.log", "ab")
         try:
@@ -314,10 +359,13 @@ class WorkerHandle:
             logfile.close()
 
     async def _handshake(self, reader: asyncio.StreamReader) -> None:
+        assert self._proc is not None
+        hello = asyncio.ensure_future(p.read_frame(reader))
         try:
-            body = await asyncio.wait_for(p.read_frame(reader), self.timing.handshake_timeout)
-        except TimeoutError as exc:
-            raise HandshakeFailed("no hello within the handshake timeout") from exc
+            await self._wait_loading(self._proc, hello)
+        finally:
+            self.load_progress = None
+        body = hello.result()
         if body is None:
             raise HandshakeFailed("worker closed the connection before its hello")
         msg = self._codec.decode(body)
@@ -469,6 +517,13 @@ class WorkerHandle:
             pend.finished = True
             pend.events.put_nowait(WorkerGone(code, reason))
         self.changed.set()
+
+
+def _rss(pid: int) -> int:
+    try:
+        return int(psutil.Process(pid).memory_info().rss)
+    except psutil.Error:
+        return 0  # exited or not visible: the caller sees the exit itself
 
 
 def _safe(name: str) -> str:

@@ -25,6 +25,9 @@ class LibrarySource:
         entry = self.library.get(model_id)
         return None if entry is None else Path(entry.path)
 
+    def entry(self, model_id: str) -> ModelEntry | None:
+        return self.library.get(model_id)
+
     def model_ids(self) -> list[str]:
         return sorted(e.id for e in self.library.list())
 

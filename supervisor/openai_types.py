@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from supervisor.config import parse_duration
 from supervisor.errors import BadRequest
 from worker.protocol import ChatMessage, SamplingParams
 
@@ -63,6 +64,16 @@ class Sampling(msgspec.Struct, kw_only=True):
     min_p: float | None = None
     repeat_penalty: float | None = None
     ignore_eos: bool = False
+    # How long the model stays loaded after this request (Ollama-style).
+    keep_alive: str | int | float | None = None
+
+    def keep_alive_s(self) -> float | None:
+        if self.keep_alive is None:
+            return None
+        try:
+            return parse_duration(self.keep_alive)
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="keep_alive") from exc
 
     def sampling(self, max_tokens: int | None = None) -> SamplingParams:
         if self.n != 1:
@@ -109,7 +120,6 @@ class ChatRequest(Sampling, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    keep_alive: str | int | float | None = None
 
     def chat_messages(self) -> list[ChatMessage]:
         if not self.messages:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from supervisor.config import ModelSettings, parse_duration
 from supervisor.errors import (
     ApiError,
     BadRequest,
@@ -21,7 +23,10 @@ from supervisor.errors import (
     Unavailable,
     UpstreamError,
 )
+from supervisor.library import ModelEntry
+from supervisor.memfit import ContextDecision, DoesNotFit
 from supervisor.models_dir import LibrarySource
+from supervisor.placement import measure_free, plan_load
 from supervisor.handle import (
     NotAccepting,
     Pending,
@@ -43,11 +48,16 @@ _CLIENT_ERRORS = {"context_length_exceeded", "template_error", "invalid_grammar"
 Admission = Callable[[str], str | None]
 
 
-class PoolSettings(Protocol):
+class PoolConfig(Protocol):
     n_ctx: int
-    n_gpu_layers: int
     n_threads: int
     queue_limit: int
+    max_loaded_models: int
+    min_ctx: int
+    memory_budget_mib: int
+    load_wait_timeout: float
+
+    def model_settings(self, model_id: str) -> ModelSettings: ...
 
 
 def _no_lease(_device: str) -> str | None:
@@ -55,62 +65,192 @@ def _no_lease(_device: str) -> str | None:
 
 
 class WorkerPool:
-    def __init__(self, models: LibrarySource, settings: PoolSettings, timing: Timing,
+    def __init__(self, models: LibrarySource, cfg: PoolConfig, timing: Timing,
                  run_dir: Path, log_dir: Path, admission: Admission = _no_lease,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", reap_interval: float = 0.25) -> None:
         self.models = models
-        self.settings = settings
+        self.cfg = cfg
         self.timing = timing
         self.run_dir = run_dir
         self.log_dir = log_dir
         self.admission = admission
         self.device = device
+        self.reap_interval = reap_interval
         self.handles: dict[tuple[str, bool], WorkerHandle] = {}
+        self.fits: dict[tuple[str, bool], ContextDecision | None] = {}
         self._lock = asyncio.Lock()
+        self._changed = asyncio.Event()
+        self._reaper: asyncio.Task[None] | None = None
         # Observers of finished generations (metrics): called with (model, Done).
         self.on_done: list[Callable[[str, p.Done], None]] = []
 
-    # ------------------------------------------------------------ handles
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap_idle(), name="keep-alive")
 
-    async def load(self, model_id: str, embedding: bool = False) -> WorkerHandle:
-        """The handle for a model, starting its worker if needed."""
+    # ------------------------------------------------------------ loading
+
+    async def load(self, model_id: str, embedding: bool = False,
+                   options: ModelSettings | None = None) -> WorkerHandle:
+        """The handle for a model, starting its worker if needed.
+
+        ``options`` come from an explicit load (``POST /api/models/{id}/load``):
+        the same settings as the running worker are a no-op, different ones
+        reload it, and a failed model is started afresh. Request-driven loads
+        pass none and reuse whatever is loaded.
+        """
         self._check_admission()
-        async with self._lock:
-            handle = self.handles.get((model_id, embedding))
-            if handle is not None and handle.state not in (WorkerState.STOPPED,):
-                return handle
-            path = self.models.resolve(model_id)
-            if path is None:
-                raise ModelNotFound(f"model '{model_id}' does not exist", param="model")
-            s = self.settings
-            spec = WorkerSpec(model_id, path, embedding, s.n_ctx, s.n_gpu_layers, s.n_threads, self.device)
-            handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, s.queue_limit)
-            self.handles[(model_id, embedding)] = handle
-            handle.start()
+        key = (model_id, embedding)
+        handle = self.handles.get(key)
+        if options is None and handle is not None:
             return handle
+        async with self._lock:
+            handle = self.handles.get(key)
+            settings = (options or ModelSettings()).over(self.cfg.model_settings(model_id))
+            if handle is not None and options is None:
+                return handle
+            entry = self.models.entry(model_id)
+            if entry is None:
+                raise ModelNotFound(f"model '{model_id}' does not exist", param="model")
+            if handle is not None:
+                if handle.state is not WorkerState.FAILED and self._unchanged(handle, entry, options, settings):
+                    handle.keep_alive = parse_duration(settings.keep_alive or 0)
+                    return handle
+                await self._drop(key, f"model {model_id} is being reloaded with new settings")
+            return await self._start_handle(key, entry, settings, explicit_ctx=bool(options and options.n_ctx))
+
+    def _unchanged(self, handle: WorkerHandle, entry: ModelEntry, options: ModelSettings | None,
+                   settings: ModelSettings) -> bool:
+        if options is None:
+            return True
+        s = handle.spec
+        want_ctx = options.n_ctx if options.n_ctx is not None else s.n_ctx
+        want = (Path(entry.path), want_ctx, settings.n_gpu_layers, settings.cache_type, settings.draft_ngram)
+        return want == (s.path, s.n_ctx, s.n_gpu_layers, s.cache_type, s.draft_ngram)
+
+    async def _start_handle(self, key: tuple[str, bool], entry: ModelEntry, settings: ModelSettings,
+                            explicit_ctx: bool) -> WorkerHandle:
+        model_id, embedding = key
+        await self._make_room_by_count(model_id)
+        decision = await self._fit(entry, settings, explicit_ctx)
+        n_ctx = decision.n_ctx if decision is not None else (settings.n_ctx or self.cfg.n_ctx)
+        spec = WorkerSpec(model_id, Path(entry.path), embedding, n_ctx,
+                          settings.n_gpu_layers if settings.n_gpu_layers is not None else -1,
+                          self.cfg.n_threads, self.device, settings.cache_type or "f16",
+                          settings.draft_ngram or 0)
+        handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit)
+        handle.keep_alive = parse_duration(settings.keep_alive or 0)
+        self.handles[key] = handle
+        self.fits[key] = decision
+        handle.start()
+        self._signal()
+        return handle
+
+    async def _fit(self, entry: ModelEntry, settings: ModelSettings,
+                   explicit_ctx: bool) -> ContextDecision | None:
+        deadline = asyncio.get_running_loop().time() + self.cfg.load_wait_timeout
+        while True:
+            committed = [f.needed_bytes for f in self.fits.values() if f is not None]
+            free, kind = await measure_free(self.cfg.memory_budget_mib << 20, committed)
+            try:
+                return plan_load(entry, settings, explicit_ctx=explicit_ctx, target_ctx=self.cfg.n_ctx,
+                                 min_ctx=self.cfg.min_ctx, free_bytes=free, memory_kind=kind)
+            except DoesNotFit:
+                if await self._evict_lru(f"evicted to make room for {entry.id}"):
+                    continue
+                if not self._others_loaded() or not await self._wait_change(deadline):
+                    raise
+                # A busy model may go idle (then it can be evicted): try again.
+
+    async def _make_room_by_count(self, model_id: str) -> None:
+        deadline = asyncio.get_running_loop().time() + self.cfg.load_wait_timeout
+        while len(self._live()) >= self.cfg.max_loaded_models:
+            if await self._evict_lru(f"evicted to make room for {model_id}"):
+                continue
+            if not await self._wait_change(deadline):
+                raise Unavailable(
+                    f"all {self.cfg.max_loaded_models} loaded models are busy; "
+                    f"'{model_id}' cannot be loaded now", retry_after=5, code="no_capacity")
+
+    def _live(self) -> list[WorkerHandle]:
+        # Failed and stopped handles hold no process and no memory.
+        return [h for h in self.handles.values()
+                if h.state not in (WorkerState.FAILED, WorkerState.STOPPED)]
+
+    def _others_loaded(self) -> bool:
+        return bool(self._live())
+
+    async def _evict_lru(self, reason: str) -> bool:
+        """Stop the least recently used idle worker; False when none is idle."""
+        idle = [(h.last_used, key) for key, h in self.handles.items()
+                if not h.busy and h.state is not WorkerState.STARTING]
+        if not idle:
+            return False
+        _, key = min(idle)
+        log.info("%s: stopping idle %s", reason, key[0])
+        await self._drop(key, reason)
+        return True
+
+    async def _drop(self, key: tuple[str, bool], reason: str) -> None:
+        handle = self.handles.pop(key, None)
+        self.fits.pop(key, None)
+        if handle is not None:
+            await handle.stop(reason, "evicted")
+        self._signal()
+
+    async def _wait_change(self, deadline: float) -> bool:
+        """Wait for any handle to change state; False once the deadline passed."""
+        loop = asyncio.get_running_loop()
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return False
+        waiters = [asyncio.ensure_future(h.changed.wait()) for h in self.handles.values()]
+        waiters.append(asyncio.ensure_future(self._changed.wait()))
+        for h in self.handles.values():
+            h.changed.clear()
+        self._changed.clear()
+        try:
+            await asyncio.wait(waiters, timeout=min(remaining, 1.0), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+        return True
+
+    def _signal(self) -> None:
+        self._changed.set()
+
+    async def _reap_idle(self) -> None:
+        """Unload workers idle for longer than their keep-alive."""
+        while True:
+            await asyncio.sleep(self.reap_interval)
+            now = asyncio.get_running_loop().time()
+            for key, h in list(self.handles.items()):
+                if h.busy or h.keep_alive < 0 or h.state is not WorkerState.READY:
+                    continue
+                if now - h.last_used >= h.keep_alive:
+                    log.info("unloading %s: idle for %.0fs (keep-alive)", key[0], now - h.last_used)
+                    await self._drop(key, "keep-alive expired")
 
     async def unload(self, model_id: str) -> bool:
-        found = False
-        for key in [k for k in self.handles if k[0] == model_id]:
-            found = True
-            await self.handles.pop(key).stop(f"model {model_id} was unloaded")
-        return found
+        keys = [k for k in self.handles if k[0] == model_id]
+        for key in keys:
+            await self._drop(key, f"model {model_id} was unloaded")
+        return bool(keys)
 
     async def stop_all(self, reason: str = "the service is shutting down") -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
         handles = list(self.handles.values())
         self.handles.clear()
+        self.fits.clear()
         await asyncio.gather(*(h.stop(reason) for h in handles))
-
-    async def drain_all(self, timeout: float, reason: str, code: str = "worker_stopped") -> None:
-        handles = list(self.handles.values())
-        self.handles.clear()
-        await asyncio.gather(*(h.drain(timeout, reason, code) for h in handles))
 
     async def vacate(self, device: str, drain_timeout: float, reason: str) -> None:
         """GPU lease hook: idle workers go now, busy ones drain, all are stopped."""
         victims = [(k, h) for k, h in self.handles.items() if h.spec.device == device]
         for key, _ in victims:
             self.handles.pop(key, None)
+            self.fits.pop(key, None)
         await asyncio.gather(*(
             h.drain(drain_timeout if h.busy else 0.0, reason, "evicted") for _, h in victims))
 
@@ -154,9 +294,16 @@ class WorkerPool:
         params: p.SamplingParams | None = None,
         template_vars: dict[str, Any] | None = None,
         request_id: str = "",
+        keep_alive: float | None = None,
     ) -> AsyncIterator[p.Delta | p.Done]:
-        """Stream one completion; leaving the iteration early cancels it."""
+        """Stream one completion; leaving the iteration early cancels it.
+
+        ``keep_alive`` (seconds; 0 = unload after this request, negative =
+        keep loaded) overrides how long the model stays loaded afterwards.
+        """
         handle = await self.load(model)
+        if keep_alive is not None:
+            handle.keep_alive = keep_alive
         msg = p.Generate(0, params or p.SamplingParams(), messages, prompt, tools,
                          template_vars or {}, request_id)
         pend = self._submit(handle, msg)
@@ -210,7 +357,14 @@ class WorkerPool:
 
 
 def describe(h: WorkerHandle) -> dict[str, Any]:
+    expires = None
+    if h.keep_alive >= 0 and h.state is WorkerState.READY:
+        left = h.keep_alive - (h.clock() - h.last_used)
+        expires = None if h.busy else round(time.time() + max(0.0, left), 3)
     return {
+        "keep_alive_s": h.keep_alive,
+        "keep_alive_expires_at": expires,
+        "load_progress": h.load_progress,
         "model": h.spec.model_id,
         "mode": "embedding" if h.spec.embedding else "generate",
         "state": h.state.value,

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from aiohttp import web
+
+from supervisor.config import ModelSettings
 
 from supervisor.errors import ModelNotFound
 from supervisor.keys import LIBRARY, POOL
 from supervisor.library import ModelEntry
 from supervisor.pool import WorkerPool
-from supervisor.httputil import json_response
+from supervisor.httputil import decode_json, json_response, read_body
 
 
 def describe_model(entry: ModelEntry, pool: WorkerPool) -> dict[str, Any]:
     info = entry.info
     status = pool.status(entry.id)
+    fit = pool.fits.get((entry.id, False))
     state = status["state"] if status else ("unloaded" if entry.usable else "unusable")
     return {
         "id": entry.id,
@@ -36,6 +40,10 @@ def describe_model(entry: ModelEntry, pool: WorkerPool) -> dict[str, Any]:
         "reason": (status or {}).get("reason") or entry.reason,
         "state": state,
         "worker": status,
+        "keep_alive_expires_at": status["keep_alive_expires_at"] if status else None,
+        "load": None if not status or status["load_progress"] is None else {
+            "progress": status["load_progress"]},
+        "fit": None if fit is None else msgspec.to_builtins(fit),
     }
 
 
@@ -57,7 +65,26 @@ async def get_model(request: web.Request) -> web.Response:
     return json_response(describe_model(_entry(request), request.app[POOL]))
 
 
+async def load_model(request: web.Request) -> web.Response:
+    entry = _entry(request)
+    body = await read_body(request)
+    options = decode_json(body, ModelSettings) if body.strip() else ModelSettings()
+    pool = request.app[POOL]
+    await pool.load(entry.id, options=options)
+    return json_response(describe_model(entry, pool))
+
+
+async def unload_model(request: web.Request) -> web.Response:
+    entry = _entry(request)
+    pool = request.app[POOL]
+    await pool.unload(entry.id)
+    return json_response(describe_model(entry, pool))
+
+
 def add_routes(app: web.Application) -> None:
-    # Model ids may contain '/' (sub-directories, Hub repos).
+    # Model ids may contain '/' (sub-directories, Hub repos), so the verbs
+    # are matched first and the plain GET takes the whole rest of the path.
     app.router.add_get("/api/models", list_models)
+    app.router.add_post("/api/models/{id:.+}/load", load_model)
+    app.router.add_post("/api/models/{id:.+}/unload", unload_model)
     app.router.add_get("/api/models/{id:.+}", get_model)

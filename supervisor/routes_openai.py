@@ -117,7 +117,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = req.chat_sampling()
     pool = request.app[POOL]
     stream = pool.generate(req.model, messages=messages, tools=req.tools, params=params,
-                           request_id=request.get("request_id", ""))
+                           request_id=request.get("request_id", ""), keep_alive=req.keep_alive_s())
     shape = _Shape(True, req.model)
     if req.stream:
         return await _stream(request, shape, stream, req.include_usage)
@@ -132,7 +132,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if params.max_tokens is None:
         params.max_tokens = 16  # OpenAI's default for legacy completions
     stream = request.app[POOL].generate(req.model, prompt=prompt, params=params,
-                                        request_id=request.get("request_id", ""))
+                                        request_id=request.get("request_id", ""),
+                                        keep_alive=req.keep_alive_s())
     shape = _Shape(False, req.model)
     if req.stream:
         return await _stream(request, shape, stream, req.include_usage)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -94,7 +96,12 @@ async def test_submit_dedupe_and_validation(tmp_path: Path) -> None:
         bad = await http.post(f"{url}/api/jobs",
                               json={"kind": "dataset", "params": {"input": "/etc/passwd"}})
         assert bad.status == 400 and (await bad.json())["error"]["param"] == "params.input"
-        gpu = await (await http.get(f"{url}/api/gpu")).json()
+        # The runner claims the job and queues it on the lease on its own time.
+        for _ in range(200):
+            gpu = await (await http.get(f"{url}/api/gpu")).json()
+            if gpu["waiters"]:
+                break
+            await asyncio.sleep(0.02)
         assert gpu["devices"][0]["holder"]["job_id"] == "job_blocker"
         assert gpu["waiters"][0]["job_id"] == job["id"]
         assert "job_blocker" in gpu["devices"][0]["why"]

@@ -22,13 +22,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--n-gpu-layers", type=int, default=-1)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--embedding", action="store_true")
+    ap.add_argument("--cache-type", default="f16", choices=["f16", "q8_0", "q4_0"])
+    ap.add_argument("--draft-ngram", type=int, default=0)
     ap.add_argument("--heartbeat", type=float, default=1.0)
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    opts = EngineOptions(args.model, args.n_ctx, args.n_gpu_layers, args.threads, args.embedding)
+    opts = EngineOptions(args.model, args.n_ctx, args.n_gpu_layers, args.threads, args.embedding,
+                         args.cache_type, args.draft_ngram)
     return asyncio.run(run(opts, args.socket, args.heartbeat))
 
 

@@ -17,12 +17,19 @@ from typing import Any
 
 import llama_cpp
 from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 from worker.chat_template import ChatRenderer, TemplateError
 from worker.detok import Detokenizer
 from worker.protocol import Delta, Done, Error, Generate, ModelFacts, SamplingParams
 
 Emit = Callable[[Delta | Done | Error], None]
+
+CACHE_TYPES = {
+    "f16": llama_cpp.GGML_TYPE_F16,
+    "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+    "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+}
 
 
 class LoadError(Exception):
@@ -36,6 +43,9 @@ class EngineOptions:
     n_gpu_layers: int
     n_threads: int
     embedding: bool
+    cache_type: str = "f16"
+    # Prompt-lookup (n-gram) speculative decoding: draft tokens per step; 0 = off.
+    draft_ngram: int = 0
 
 
 @dataclass
@@ -60,6 +70,12 @@ class Engine:
             kwargs["n_threads"] = opts.n_threads
         if opts.embedding:
             kwargs["pooling_type"] = llama_cpp.LLAMA_POOLING_TYPE_MEAN
+        if opts.cache_type != "f16":
+            ggml_type = CACHE_TYPES[opts.cache_type]
+            # llama.cpp needs flash attention for a quantized V cache.
+            kwargs.update(type_k=ggml_type, type_v=ggml_type, flash_attn=True)
+        if opts.draft_ngram > 0:
+            kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=opts.draft_ngram)
         try:
             self.llm = llama_cpp.Llama(**kwargs)
         except (ValueError, RuntimeError, OSError) as exc:

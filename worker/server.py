@@ -82,10 +82,11 @@ class WorkerServer:
         self.codec = p.worker_codec()
         self.cancels: dict[int, threading.Event] = {}
         self.active: int | None = None
+        self.pending = 0
 
     def stats(self) -> p.WorkerStats:
         c = self.engine.counters
-        return p.WorkerStats(self.active is not None, c.requests_done, c.requests_cancelled,
+        return p.WorkerStats(self.pending > 0, c.requests_done, c.requests_cancelled,
                              c.tokens_generated, self.active)
 
     async def heartbeat(self) -> None:
@@ -145,18 +146,25 @@ class WorkerServer:
         self.outbox.put(p.Embeddings(msg.id, vectors, count))
 
     def _start(self, req_id: int, work: Callable[[threading.Event], None]) -> None:
-        if self.active is not None:
-            self.outbox.send(p.Error(req_id, "busy", f"request {self.active} is still running"))
-            return
+        # The single-thread executor runs requests one at a time, in order: a
+        # request the parent sends right after the previous Done (before our
+        # done-callback ran) simply waits its turn.
         ev = threading.Event()
         self.cancels[req_id] = ev
-        self.active = req_id
-        fut = asyncio.get_running_loop().run_in_executor(self.executor, work, ev)
+        self.pending += 1
+        fut = asyncio.get_running_loop().run_in_executor(self.executor, self._run_work, req_id, work, ev)
         fut.add_done_callback(lambda f: self._finished(req_id, f))
+
+    def _run_work(self, req_id: int, work: Callable[[threading.Event], None], ev: threading.Event) -> None:
+        self.active = req_id
+        try:
+            work(ev)
+        finally:
+            self.active = None
 
     def _finished(self, req_id: int, fut: asyncio.Future[None]) -> None:
         self.cancels.pop(req_id, None)
-        self.active = None
+        self.pending -= 1
         if fut.cancelled():
             return
         exc = fut.exception()

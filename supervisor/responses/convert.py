@@ -1,0 +1,130 @@
+"""Conversation items -> the chat messages a model's template renders.
+
+One assistant turn of the Responses API is several items (reasoning, a
+message, function calls); chat templates expect one assistant message with
+``content``, ``reasoning_content`` and ``tool_calls``. Items of one turn are
+merged here; a ``function_call_output`` becomes a ``tool`` message naming its
+call. ``developer`` maps to ``system``, which every template knows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from supervisor.errors import BadRequest
+from supervisor.responses.items import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    Item,
+    MessageItem,
+    ReasoningItem,
+)
+from supervisor.responses.models import FunctionTool
+from worker.protocol import ChatMessage
+
+
+class _Turns:
+    """Accumulates chat messages, merging consecutive assistant items."""
+
+    def __init__(self) -> None:
+        self.messages: list[ChatMessage] = []
+        self.call_names: dict[str, str] = {}
+        self._pending_reasoning: list[str] = []
+
+    def _assistant(self) -> ChatMessage:
+        last = self.messages[-1] if self.messages else None
+        if last is not None and last.role == "assistant":
+            return last
+        msg = ChatMessage(role="assistant", content="")
+        self.messages.append(msg)
+        return msg
+
+    def _take_reasoning(self, msg: ChatMessage) -> None:
+        if self._pending_reasoning:
+            msg.reasoning_content = (msg.reasoning_content or "") + "".join(self._pending_reasoning)
+            self._pending_reasoning = []
+
+    def add_message(self, item: MessageItem) -> None:
+        if item.role == "assistant":
+            msg = self._assistant()
+            if msg.tool_calls:
+                # Text after tool calls of the same turn starts a new message.
+                msg = ChatMessage(role="assistant", content="")
+                self.messages.append(msg)
+            msg.content = (msg.content or "") + item.text()
+            self._take_reasoning(msg)
+            return
+        role = "system" if item.role == "developer" else item.role
+        self.messages.append(ChatMessage(role=role, content=item.text()))
+
+    def add_call(self, item: FunctionCallItem) -> None:
+        msg = self._assistant()
+        self._take_reasoning(msg)
+        call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+        msg.tool_calls = [*(msg.tool_calls or []), call]
+        self.call_names[item.call_id] = item.name
+
+    def add_output(self, item: FunctionCallOutputItem, param: str | None) -> None:
+        name = self.call_names.get(item.call_id)
+        if name is None:
+            raise BadRequest(
+                f"no function_call with call_id {item.call_id!r} precedes this function_call_output",
+                param=param,
+                code="invalid_call_id",
+            )
+        self.messages.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id, name=name))
+
+    def add_reasoning(self, item: ReasoningItem) -> None:
+        self._pending_reasoning.append(item.text())
+
+
+def to_messages(
+    history: list[Item],
+    items: list[Item],
+    instructions: str | None,
+) -> list[ChatMessage]:
+    """Chat messages for ``instructions`` + stored ``history`` + this request's ``items``.
+
+    Errors about ``items`` name their index (``input[i].call_id``); history
+    was validated when it was stored.
+    """
+    turns = _Turns()
+    if instructions:
+        turns.messages.append(ChatMessage(role="system", content=instructions))
+    n_history = len(history)
+    for pos, item in enumerate([*history, *items]):
+        param = f"input[{pos - n_history}].call_id" if pos >= n_history else None
+        match item:
+            case MessageItem():
+                turns.add_message(item)
+            case FunctionCallItem():
+                turns.add_call(item)
+            case FunctionCallOutputItem():
+                turns.add_output(item, param)
+            case ReasoningItem():
+                turns.add_reasoning(item)
+    return _system_first(turns.messages)
+
+
+def _system_first(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """Merge every system message into one leading message.
+
+    Many templates accept a system message only in first position; the
+    instructions and any system/developer items are joined there, in order.
+    """
+    systems = [m.content or "" for m in messages if m.role == "system"]
+    rest = [m for m in messages if m.role != "system"]
+    if not systems:
+        return rest
+    return [ChatMessage(role="system", content="\n\n".join(systems)), *rest]
+
+
+def template_tools(tools: list[FunctionTool]) -> list[dict[str, Any]]:
+    """Flat Responses tools -> the nested chat-completions form templates expect."""
+    out: list[dict[str, Any]] = []
+    for tool in tools:
+        fn: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters or {"type": "object", "properties": {}}}
+        if tool.description:
+            fn["description"] = tool.description
+        out.append({"type": "function", "function": fn})
+    return out

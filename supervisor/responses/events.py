@@ -1,0 +1,199 @@
+"""The Responses streaming event sequence, built from parsed output pieces.
+
+:class:`EventBuilder` owns the response being generated: it turns
+reasoning / text / tool-call pieces into output items and yields each event
+as ``(type, JSON bytes)`` with a contiguous ``sequence_number`` from 0. The
+order is the one the SDK's stream helper expects:
+
+    response.created, response.in_progress,
+    per item: output_item.added,
+      message:   content_part.added, output_text.delta*, output_text.done, content_part.done
+      reasoning: content_part.added, reasoning_text.delta*, reasoning_text.done, content_part.done
+      call:      function_call_arguments.delta, function_call_arguments.done
+    output_item.done,
+    then exactly one of response.completed / response.incomplete / response.failed.
+
+Non-streaming requests run the same builder and keep only the final object.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import msgspec
+
+from supervisor.responses.items import (
+    FunctionCallItem,
+    Item,
+    MessageItem,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+    new_id,
+)
+from supervisor.responses.objects import (
+    ErrorInfo,
+    IncompleteDetails,
+    ResponseObject,
+    Usage,
+    snapshot,
+)
+from supervisor.responses.parse import Piece, Reasoning, Text, ToolCall
+
+_encoder = msgspec.json.Encoder()
+
+
+class Event(NamedTuple):
+    type: str
+    data: bytes
+
+
+class EventBuilder:
+    """Builds output items and events for one response."""
+
+    def __init__(self, response: ResponseObject, clock: Callable[[], float] = time.time) -> None:
+        self.response = response
+        self._clock = clock
+        self._seq = 0
+        self._open: Item | None = None
+        self._open_text: list[str] = []
+        # Pre-encoded head and tail of the open item's delta events (hot path).
+        self._delta_frame: tuple[str, bytes, bytes] = ("", b"", b"")
+
+    def _event(self, type_: str, **fields: Any) -> Event:
+        payload = {"type": type_, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return Event(type_, _encoder.encode(payload))
+
+    @property
+    def _index(self) -> int:
+        return len(self.response.output) - 1
+
+    # ------------------------------------------------------------- lifecycle
+
+    def start(self) -> list[Event]:
+        self.response.status = "in_progress"
+        return [
+            self._event("response.created", response=snapshot(self.response)),
+            self._event("response.in_progress", response=snapshot(self.response)),
+        ]
+
+    def pieces(self, pieces: list[Piece]) -> list[Event]:
+        out: list[Event] = []
+        for piece in pieces:
+            match piece:
+                case Reasoning(text):
+                    out += self._text_delta(ReasoningItem, text)
+                case Text(text):
+                    out += self._text_delta(MessageItem, text)
+                case ToolCall(name, arguments):
+                    out += self._close()
+                    out += self._call(name, arguments)
+        return out
+
+    def completed(self, usage: Usage, *, truncated: bool) -> list[Event]:
+        status: Literal["completed", "incomplete"] = "incomplete" if truncated else "completed"
+        out = self._close(item_status="incomplete" if truncated else "completed")
+        self.response.usage = usage
+        self.response.status = status
+        if truncated:
+            self.response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+            return out + [self._event("response.incomplete", response=self.response)]
+        self.response.completed_at = int(self._clock())
+        return out + [self._event("response.completed", response=self.response)]
+
+    def failed(self, code: str, message: str, usage: Usage | None = None) -> list[Event]:
+        out = self._close(item_status="incomplete")
+        self.response.status = "failed"
+        self.response.error = ErrorInfo(code=code, message=message)
+        self.response.usage = usage
+        return out + [self._event("response.failed", response=self.response)]
+
+    def cancelled(self) -> None:
+        """Background cancel: no events are streamed, only the object changes."""
+        self._close(item_status="incomplete")
+        self.response.status = "cancelled"
+
+    # ----------------------------------------------------------------- items
+
+    def _text_delta(self, kind: type[MessageItem | ReasoningItem], text: str) -> list[Event]:
+        out: list[Event] = []
+        if not isinstance(self._open, kind):
+            out += self._close()
+            out += self._open_text_item(kind)
+        self._open_text.append(text)
+        delta_type, head, tail = self._delta_frame
+        data = b"".join((head, str(self._seq).encode(), b',"delta":', _encoder.encode(text), tail))
+        self._seq += 1
+        out.append(Event(delta_type, data))
+        return out
+
+    def _delta_template(self, kind: type[MessageItem | ReasoningItem], item_id: str) -> None:
+        """Pre-encode everything of a delta event but its sequence number and text."""
+        is_message = kind is MessageItem
+        delta_type = "response.output_text.delta" if is_message else "response.reasoning_text.delta"
+        fixed = {"type": delta_type, "item_id": item_id, "output_index": self._index, "content_index": 0}
+        head = _encoder.encode(fixed)[:-1] + b',"sequence_number":'
+        tail = b',"logprobs":[]}' if is_message else b"}"
+        self._delta_frame = (delta_type, head, tail)
+
+    def _open_text_item(self, kind: type[MessageItem | ReasoningItem]) -> list[Event]:
+        item: Item
+        part: OutputText | ReasoningText
+        if kind is MessageItem:
+            item = MessageItem(role="assistant", content=[], id=new_id("msg"), status="in_progress")
+            part = OutputText("")
+        else:
+            item = ReasoningItem(summary=[], content=[], id=new_id("rs"), status="in_progress")
+            part = ReasoningText("")
+        self.response.output.append(item)
+        self._open, self._open_text = item, []
+        self._delta_template(kind, item.id)
+        added = msgspec.structs.replace(item)
+        return [
+            self._event("response.output_item.added", output_index=self._index, item=added),
+            self._event(
+                "response.content_part.added", item_id=item.id, output_index=self._index, content_index=0, part=part
+            ),
+        ]
+
+    def _close(self, item_status: Literal["completed", "incomplete"] = "completed") -> list[Event]:
+        item = self._open
+        if item is None:
+            return []
+        self._open = None
+        text = "".join(self._open_text)
+        common = {"item_id": item.id, "output_index": self._index, "content_index": 0}
+        out: list[Event] = []
+        part: OutputText | ReasoningText
+        if isinstance(item, MessageItem):
+            part = OutputText(text)
+            item.content = [part]
+            out.append(self._event("response.output_text.done", text=text, logprobs=[], **common))
+        else:
+            assert isinstance(item, ReasoningItem)
+            part = ReasoningText(text)
+            item.content = [part]
+            out.append(self._event("response.reasoning_text.done", text=text, **common))
+        item.status = item_status
+        out.append(self._event("response.content_part.done", part=part, **common))
+        out.append(self._event("response.output_item.done", output_index=self._index, item=item))
+        return out
+
+    def _call(self, name: str, arguments: str) -> list[Event]:
+        item = FunctionCallItem(
+            call_id=new_id("call"), name=name, arguments="", id=new_id("fc"), status="in_progress"
+        )
+        self.response.output.append(item)
+        index = self._index
+        added = msgspec.structs.replace(item)
+        item.arguments, item.status = arguments, "completed"
+        common = {"item_id": item.id, "output_index": index}
+        return [
+            self._event("response.output_item.added", output_index=index, item=added),
+            self._event("response.function_call_arguments.delta", delta=arguments, **common),
+            self._event("response.function_call_arguments.done", arguments=arguments, name=name, **common),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]

@@ -1,0 +1,139 @@
+"""Conversation items: the one shape used for input, output and storage.
+
+Input items arrive in the loose forms clients send (a message without
+``type``, string content, no ids) and are normalized into these Structs; output
+items are built in the same Structs; both are stored as JSON and served back by
+``GET /v1/responses/{id}`` and ``/input_items`` exactly as encoded here, so the
+shapes follow the official SDK types (``ResponseOutputMessage``,
+``ResponseInputMessageItem``, ``ResponseFunctionToolCall``, ...).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Literal
+
+import msgspec
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(24)}"
+
+
+# ------------------------------------------------------------- content parts
+
+
+class InputText(msgspec.Struct, tag="input_text", tag_field="type"):
+    text: str
+
+
+class OutputText(msgspec.Struct, tag="output_text", tag_field="type"):
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[Any] = []
+
+
+class SummaryText(msgspec.Struct, tag="summary_text", tag_field="type"):
+    text: str
+
+
+class ReasoningText(msgspec.Struct, tag="reasoning_text", tag_field="type"):
+    text: str
+
+
+ContentPart = InputText | OutputText
+
+
+# --------------------------------------------------------------------- items
+
+
+class MessageItem(msgspec.Struct, tag="message", tag_field="type", kw_only=True):
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentPart]
+    id: str = ""
+    status: ItemStatus = "completed"
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(msgspec.Struct, tag="function_call", tag_field="type", kw_only=True):
+    call_id: str
+    name: str
+    arguments: str
+    id: str = ""
+    status: ItemStatus = "completed"
+
+
+class FunctionCallOutputItem(msgspec.Struct, tag="function_call_output", tag_field="type", kw_only=True):
+    call_id: str
+    output: str | list[InputText]
+    id: str = ""
+    status: ItemStatus = "completed"
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(part.text for part in self.output)
+
+
+class ReasoningItem(msgspec.Struct, tag="reasoning", tag_field="type", kw_only=True):
+    summary: list[SummaryText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    id: str = ""
+    status: ItemStatus = "completed"
+
+    def text(self) -> str:
+        parts = self.content if self.content else self.summary
+        return "".join(part.text for part in parts)
+
+
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+
+_ID_PREFIX: dict[type[Any], str] = {
+    MessageItem: "msg",
+    FunctionCallItem: "fc",
+    FunctionCallOutputItem: "fco",
+    ReasoningItem: "rs",
+}
+
+
+def normalize(item: Item) -> Item:
+    """Give an input item an id and list-form content (the stored shape)."""
+    if not item.id:
+        item.id = new_id(_ID_PREFIX[type(item)])
+    if isinstance(item, MessageItem):
+        # Assistant turns hold output_text, every other role input_text, so a
+        # stored message always validates as the SDK's input or output message.
+        text_parts = [item.content] if isinstance(item.content, str) else [p.text for p in item.content]
+        if item.role == "assistant":
+            item.content = [OutputText(text) for text in text_parts]
+        else:
+            item.content = [InputText(text) for text in text_parts]
+    return item
+
+
+_items_encoder = msgspec.json.Encoder()
+_items_decoder = msgspec.json.Decoder(list[Item])
+_item_decoder = msgspec.json.Decoder(Item)
+
+
+def encode_items(items: list[Item]) -> bytes:
+    return _items_encoder.encode(items)
+
+
+def decode_items(data: bytes) -> list[Item]:
+    return _items_decoder.decode(data)
+
+
+def encode_item(item: Item) -> bytes:
+    return _items_encoder.encode(item)
+
+
+def decode_item(data: bytes) -> Item:
+    return _item_decoder.decode(data)

@@ -1,0 +1,170 @@
+"""The ``POST /v1/responses`` request body, decoded strictly.
+
+Every field the API defines is declared; a value we cannot honour is a 400
+naming the field (never silently ignored). Unknown *fields* are ignored, so
+newer clients and echoed-back items (``id``, ``status``, ``phase``) work.
+Input items are decoded one by one after the body, because a message may come
+without ``type``; their errors are re-labelled ``input[i].field``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from supervisor.errors import BadRequest
+from supervisor.httputil import validation_param
+from supervisor.responses.items import Item, MessageItem, normalize
+
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+class FunctionTool(msgspec.Struct, tag="function", tag_field="type", kw_only=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(msgspec.Struct, tag="function", tag_field="type"):
+    name: str
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedFunction
+
+
+class ReasoningConfig(msgspec.Struct, kw_only=True):
+    effort: Effort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class FormatText(msgspec.Struct, tag="text", tag_field="type"):
+    pass
+
+
+class FormatJsonObject(msgspec.Struct, tag="json_object", tag_field="type"):
+    pass
+
+
+class FormatJsonSchema(msgspec.Struct, tag="json_schema", tag_field="type", kw_only=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    schema: dict[str, Any]
+    description: str | None = None
+    strict: bool | None = None
+
+
+TextFormat = FormatText | FormatJsonObject | FormatJsonSchema
+
+
+class TextConfig(msgspec.Struct, kw_only=True):
+    format: TextFormat = msgspec.field(default_factory=FormatText)
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+Metadata = Annotated[
+    dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
+    msgspec.Meta(max_length=16),
+]
+
+
+class CreateRequest(msgspec.Struct, kw_only=True):
+    model: Annotated[str, msgspec.Meta(min_length=1)]
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    tools: list[FunctionTool] = []
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    background: bool = False
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    reasoning: ReasoningConfig | None = None
+    text: TextConfig = msgspec.field(default_factory=TextConfig)
+    metadata: Metadata | None = None
+    truncation: Literal["disabled"] | None = None
+    user: str | None = None
+    # Accepted because clients send them; they change nothing locally.
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    stream_options: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
+    top_logprobs: Literal[0] | None = None
+    # Extension shared with our chat completions: generate to max_output_tokens.
+    ignore_eos: bool = False
+    # Hosted features with no local meaning: any value but null is a 400.
+    conversation: None = None
+    prompt: None = None
+
+
+class ValidRequest(msgspec.Struct, kw_only=True):
+    """A request after cross-field checks, with input items normalized."""
+
+    body: CreateRequest
+    items: list[Item]
+
+
+_item_decoder_type: Any = Item
+# msgspec reports a missing field on its parent ("... field `call_id`"); the
+# client is better served by the field's own path.
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+def item_param(exc: msgspec.ValidationError, index: int) -> str:
+    path = [f"input[{index}]"]
+    sub = validation_param(exc)
+    if sub:
+        path.append(sub)
+    missing = _MISSING.search(str(exc))
+    if missing:
+        path.append(missing.group(1))
+    return ".".join(path)
+
+
+def _decode_item(raw: Any, index: int) -> Item:
+    if isinstance(raw, dict) and "type" not in raw and "role" in raw:
+        raw = {**raw, "type": "message"}
+    try:
+        item: Item = msgspec.convert(raw, _item_decoder_type)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid input item {index}: {exc}", param=item_param(exc, index)) from exc
+    return normalize(item)
+
+
+def decode_items(value: str | list[dict[str, Any]] | None) -> list[Item]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [normalize(MessageItem(role="user", content=value))]
+    return [_decode_item(raw, i) for i, raw in enumerate(value)]
+
+
+def _check_tools(body: CreateRequest) -> None:
+    names = [tool.name for tool in body.tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise BadRequest(f"duplicate tool name {name!r}", param=f"tools[{i}].name")
+    choice = body.tool_choice
+    if isinstance(choice, NamedFunction) and choice.name not in names:
+        raise BadRequest(f"tool_choice names {choice.name!r}, which is not in tools", param="tool_choice.name")
+    if choice == "required" and not names:
+        raise BadRequest("tool_choice 'required' needs at least one tool", param="tool_choice")
+
+
+def validate(body: CreateRequest) -> ValidRequest:
+    """Cross-field rules msgspec cannot express; raises BadRequest naming the field."""
+    items = decode_items(body.input)
+    if not items and body.previous_response_id is None:
+        raise BadRequest("input is required", param="input")
+    _check_tools(body)
+    if body.background and not body.store:
+        raise BadRequest("background responses must be stored (store: true)", param="background")
+    if body.background and body.stream:
+        raise BadRequest("streaming a background response is not supported; poll it instead", param="stream")
+    return ValidRequest(body=body, items=items)

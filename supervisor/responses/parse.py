@@ -1,0 +1,313 @@
+"""Split streamed model text into reasoning, visible text and tool calls.
+
+The parser is incremental: :meth:`OutputParser.feed` takes each decoded delta
+and returns the pieces that are certain. Text that might be the start of a
+marker (``<think>``, ``</think>``, ``<tool_call>``, ``[TOOL_CALLS]``) is held
+back until the next delta decides it, so nothing is streamed as visible text
+and later turns out to be part of a tool call.
+
+Tool-call formats understood (only when the request offers tools):
+- Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+- Mistral: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]`` and the newer
+  ``[TOOL_CALLS]name[ARGS]{...}``
+- Llama 3: ``{"name": ..., "parameters": {...}}`` as the whole output,
+  optionally after ``<|python_tag|>``
+A call that does not parse, or names an unknown tool, is kept as text.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import Any, NamedTuple
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+HERMES_OPEN = "<tool_call>"
+HERMES_CLOSE = "</tool_call>"
+MISTRAL_CALLS = "[TOOL_CALLS]"
+MISTRAL_ARGS = "[ARGS]"
+PYTHON_TAG = "<|python_tag|>"
+
+
+class Reasoning(NamedTuple):
+    text: str
+
+
+class Text(NamedTuple):
+    text: str
+
+
+class ToolCall(NamedTuple):
+    name: str
+    arguments: str
+
+
+Piece = Reasoning | Text | ToolCall
+
+
+class _State(enum.Enum):
+    REASONING = "reasoning"
+    TEXT = "text"
+    HERMES = "hermes"  # inside <tool_call>, until </tool_call>
+    TRAILING_CALLS = "trailing_calls"  # Mistral / Llama 3: calls run to the end
+
+
+def _held_suffix(buf: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest tail of ``buf`` that starts some marker."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(buf)), best, -1):
+            if marker.startswith(buf[-n:]):
+                best = n
+                break
+    return best
+
+
+def _encode_arguments(args: Any) -> str | None:
+    if isinstance(args, str):
+        try:
+            json.loads(args)
+        except ValueError:
+            return None
+        return args
+    if isinstance(args, dict):
+        return json.dumps(args, ensure_ascii=False)
+    return None
+
+
+def _call_from(obj: Any, names: frozenset[str]) -> ToolCall | None:
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    encoded = _encode_arguments(args)
+    return ToolCall(obj["name"], encoded) if encoded is not None else None
+
+
+def _json_values(text: str) -> list[Any] | None:
+    """Every JSON value in ``text``, separated by whitespace or ``;``."""
+    decoder = json.JSONDecoder()
+    values: list[Any] = []
+    pos = 0
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n;,":
+            pos += 1
+        if pos == len(text):
+            return values
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+def parse_json_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
+    """Calls written as JSON objects or lists of them; None if any part is not one."""
+    values = _json_values(text)
+    if not values:
+        return None
+    calls: list[ToolCall] = []
+    for value in values:
+        for obj in value if isinstance(value, list) else [value]:
+            call = _call_from(obj, names)
+            if call is None:
+                return None
+            calls.append(call)
+    return calls
+
+
+def parse_mistral_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
+    """The text after ``[TOOL_CALLS]``: a JSON list, or ``name[ARGS]{...}`` segments."""
+    calls: list[ToolCall] = []
+    for segment in text.split(MISTRAL_CALLS):
+        segment = segment.strip()
+        if not segment:
+            continue
+        if MISTRAL_ARGS in segment and not segment.startswith(("[", "{")):
+            name, _, args = segment.partition(MISTRAL_ARGS)
+            call = _call_from({"name": name.strip(), "arguments": args.strip()}, names)
+            found = [call] if call is not None else None
+        else:
+            found = parse_json_calls(segment, names)
+        if found is None:
+            return None
+        calls.extend(found)
+    return calls or None
+
+
+class OutputParser:
+    """Feed decoded text; get pieces that can be emitted now."""
+
+    def __init__(
+        self,
+        *,
+        thinking: bool = False,
+        starts_in_reasoning: bool = False,
+        tool_names: frozenset[str] = frozenset(),
+        bare_json_calls: bool = True,
+    ) -> None:
+        self._thinking = thinking or starts_in_reasoning
+        self._names = tool_names
+        self._bare_json = bare_json_calls and bool(tool_names)
+        self._state = _State.REASONING if starts_in_reasoning else _State.TEXT
+        self._buf = ""
+        self._trailing_prefix = ""
+        # True until the current text run has shown a non-space character.
+        self._fresh = True
+        self._output_started = False
+        self._visible_started = False
+        self._text_markers = self._markers()
+        # Every marker starts with one of these; text without them is plain.
+        self._marker_starts = "".join(sorted({m[0] for m in self._text_markers}))
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._state is _State.REASONING
+
+    def feed(self, text: str) -> list[Piece]:
+        self._buf += text
+        out: list[Piece] = []
+        progressed = True
+        while progressed and self._buf:
+            progressed = self._step(out)
+        return out
+
+    def finish(self) -> list[Piece]:
+        out = self.feed("")
+        buf, self._buf = self._buf, ""
+        match self._state:
+            case _State.REASONING:
+                if buf:
+                    out.append(Reasoning(buf))
+            case _State.TEXT:
+                if buf.strip() or (buf and not self._fresh):
+                    out.append(Text(buf))
+            case _State.HERMES:
+                out.extend(self._hermes_calls(buf, closed=False))
+            case _State.TRAILING_CALLS:
+                out.extend(self._trailing_calls(buf))
+        return out
+
+    # ---------------------------------------------------------------- states
+
+    def _step(self, out: list[Piece]) -> bool:
+        match self._state:
+            case _State.REASONING:
+                return self._step_reasoning(out)
+            case _State.TEXT:
+                return self._step_text(out)
+            case _State.HERMES:
+                return self._step_hermes(out)
+            case _State.TRAILING_CALLS:
+                return False
+
+    def _step_reasoning(self, out: list[Piece]) -> bool:
+        if not self._output_started:
+            # A template that opens <think> itself may still see the model repeat it.
+            stripped = self._buf.lstrip()
+            if THINK_OPEN.startswith(stripped) and stripped != THINK_OPEN:
+                return False
+            if stripped.startswith(THINK_OPEN):
+                self._buf = stripped[len(THINK_OPEN) :]
+            self._output_started = True
+        if self._fresh:
+            self._buf = self._buf.lstrip()
+        end = self._buf.find(THINK_CLOSE)
+        if end >= 0:
+            if end:
+                out.append(Reasoning(self._buf[:end]))
+            self._fresh = False
+            self._buf = self._buf[end + len(THINK_CLOSE) :]
+            self._enter_text()
+            return True
+        keep = _held_suffix(self._buf, (THINK_CLOSE,))
+        if len(self._buf) > keep:
+            out.append(Reasoning(self._buf[: len(self._buf) - keep]))
+            self._buf = self._buf[len(self._buf) - keep :]
+            self._fresh = False
+        return False
+
+    def _markers(self) -> tuple[str, ...]:
+        markers: tuple[str, ...] = (THINK_OPEN,) if self._thinking else ()
+        if self._names:
+            markers += (HERMES_OPEN, MISTRAL_CALLS, PYTHON_TAG)
+        return markers
+
+    def _step_text(self, out: list[Piece]) -> bool:
+        markers = self._text_markers
+        if not self._fresh and not any(c in self._buf for c in self._marker_starts):
+            # Hot path: most deltas of a plain answer.
+            self._emit_text(out, self._buf)
+            self._buf = ""
+            return False
+        if self._fresh:
+            self._buf = self._buf.lstrip()
+            if not self._buf:
+                return False
+            maybe_marker = any(m.startswith(self._buf[: len(m)]) for m in markers)
+            if self._bare_json and not self._visible_started and self._buf[0] in "{[" and not maybe_marker:
+                self._state = _State.TRAILING_CALLS
+                self._trailing_prefix = ""
+                return False
+        self._output_started = True
+        found = [(self._buf.find(m), m) for m in markers]
+        hits = [(pos, m) for pos, m in found if pos >= 0]
+        if hits:
+            pos, marker = min(hits)
+            self._emit_text(out, self._buf[:pos])
+            self._buf = self._buf[pos + len(marker) :]
+            self._enter_marker(marker)
+            return True
+        keep = _held_suffix(self._buf, markers)
+        self._emit_text(out, self._buf[: len(self._buf) - keep])
+        self._buf = self._buf[len(self._buf) - keep :]
+        return False
+
+    def _emit_text(self, out: list[Piece], text: str) -> None:
+        if text:
+            out.append(Text(text))
+            self._fresh = False
+            self._visible_started = True
+
+    def _enter_marker(self, marker: str) -> None:
+        if marker == THINK_OPEN:
+            self._state = _State.REASONING
+            self._fresh = True
+        elif marker == HERMES_OPEN:
+            self._state = _State.HERMES
+        else:
+            self._state = _State.TRAILING_CALLS
+            self._trailing_prefix = marker
+
+    def _enter_text(self) -> None:
+        self._state = _State.TEXT
+        self._fresh = True
+
+    def _step_hermes(self, out: list[Piece]) -> bool:
+        end = self._buf.find(HERMES_CLOSE)
+        if end < 0:
+            return False
+        body = self._buf[:end]
+        self._buf = self._buf[end + len(HERMES_CLOSE) :]
+        out.extend(self._hermes_calls(body, closed=True))
+        self._enter_text()
+        return True
+
+    def _hermes_calls(self, body: str, *, closed: bool) -> list[Piece]:
+        self._visible_started = True
+        # A stop string or the token limit may have cut the closing tag.
+        cut = body if closed else body[: len(body) - _held_suffix(body, (HERMES_CLOSE,))]
+        calls = parse_json_calls(cut, self._names)
+        if calls:
+            return list(calls)
+        return [Text(HERMES_OPEN + body + (HERMES_CLOSE if closed else ""))]
+
+    def _trailing_calls(self, buf: str) -> list[Piece]:
+        prefix = self._trailing_prefix
+        if prefix == MISTRAL_CALLS:
+            calls = parse_mistral_calls(buf, self._names)
+        else:
+            calls = parse_json_calls(buf, self._names)
+        if calls:
+            return list(calls)
+        return [Text(prefix + buf)] if (prefix + buf).strip() else []

@@ -1,0 +1,71 @@
+"""What a model's chat template says about reasoning and tool calls.
+
+The parent never renders templates; it only reads the template text the
+worker reports (``ModelFacts.chat_template``) to decide how to parse the
+output, which template variables carry the reasoning effort, and which
+tool-call format a grammar must produce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from supervisor.responses.grammar import ToolStyle
+
+
+def _opens_think(template: str) -> bool:
+    """Whether the generation prompt opens a think block for the model to close,
+    e.g. "<|im_start|>assistant\n<think>\n" (DeepSeek-R1, QwQ). Qwen3 writes
+    "<think></think>" there only to switch thinking off, which does not count."""
+    start = template.rfind("add_generation_prompt")
+    if start < 0:
+        return False
+    end = template.find("endif", start)
+    block = template[start : end if end >= 0 else len(template)]
+    return "<think>" in block and "</think>" not in block
+
+
+@dataclass(frozen=True)
+class TemplateProfile:
+    thinks: bool = False
+    starts_in_reasoning: bool = False
+    # Template variables that take the request's reasoning effort.
+    effort_var: str | None = None
+    toggle_var: str | None = None
+    tool_style: ToolStyle = "hermes"
+
+    def template_vars(self, effort: str | None) -> dict[str, object]:
+        """Variables passing ``reasoning.effort`` to the template (none if unset)."""
+        if effort is None:
+            return {}
+        out: dict[str, object] = {}
+        if self.effort_var:
+            out[self.effort_var] = effort
+        if self.toggle_var:
+            out[self.toggle_var] = effort != "none"
+        return out
+
+
+def _tool_style(template: str) -> ToolStyle:
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or ("<|start_header_id|>" in template and "parameters" in template):
+        return "llama3"
+    return "hermes"
+
+
+def profile_for(template: str | None) -> TemplateProfile:
+    if not template:
+        return TemplateProfile()
+    toggle = "enable_thinking" if "enable_thinking" in template else None
+    effort = "reasoning_effort" if "reasoning_effort" in template else None
+    thinks = "<think>" in template or "</think>" in template or toggle is not None
+    return TemplateProfile(
+        thinks=thinks,
+        starts_in_reasoning=_opens_think(template),
+        effort_var=effort,
+        toggle_var=toggle,
+        tool_style=_tool_style(template),
+    )

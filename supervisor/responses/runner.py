@@ -1,0 +1,195 @@
+"""Run one response: plan the generation, stream it, build the events.
+
+:func:`plan` turns a validated request, its stored history and the model's
+facts into what the worker needs (chat messages, template tools, sampling
+parameters, template variables) and how to parse the output.
+:func:`run` drives the pool and yields :class:`~supervisor.responses.events.Event`s,
+always ending with exactly one terminal event.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from supervisor.errors import ApiError, BadRequest, ModelNotFound, Unavailable
+from supervisor.responses.convert import template_tools, to_messages
+from supervisor.responses.events import Event, EventBuilder
+from supervisor.responses.grammar import tool_call_grammar
+from supervisor.responses.items import Item
+from supervisor.responses.models import (
+    CreateRequest,
+    FormatJsonObject,
+    FormatJsonSchema,
+    NamedFunction,
+)
+from supervisor.responses.objects import Usage
+from supervisor.responses.parse import OutputParser
+from supervisor.responses.profile import TemplateProfile, profile_for
+from worker.protocol import ChatMessage, Delta, Done, ModelFacts, SamplingParams
+
+T = TypeVar("T")
+
+
+@asynccontextmanager
+async def closing(stream: AsyncIterator[T]) -> AsyncIterator[AsyncIterator[T]]:
+    """Like ``contextlib.aclosing`` for any async iterator: leaving early closes
+    a generator at once (for the pool's, that cancels the generation)."""
+    try:
+        yield stream
+    finally:
+        if isinstance(stream, AsyncGenerator):
+            await stream.aclose()
+
+
+class GenerationPool(Protocol):
+    """The part of the worker pool the Responses API uses."""
+
+    async def facts(self, model: str) -> ModelFacts: ...
+
+    def generate(
+        self,
+        model: str,
+        *,
+        messages: list[ChatMessage] | None = None,
+        prompt: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None,
+        template_vars: dict[str, Any] | None = None,
+        request_id: str = "",
+    ) -> AsyncIterator[Delta | Done]: ...
+
+
+@dataclass
+class Plan:
+    messages: list[ChatMessage]
+    params: SamplingParams
+    tools: list[dict[str, Any]] | None = None
+    template_vars: dict[str, Any] = field(default_factory=dict)
+    profile: TemplateProfile = field(default_factory=TemplateProfile)
+    tool_names: frozenset[str] = frozenset()
+    # A grammar forces JSON: a leading "{" is the answer, not a tool call.
+    json_output: bool = False
+
+    def parser(self) -> OutputParser:
+        # A grammar (JSON or a forced call) leaves no room for a think block.
+        forced = self.json_output or self.params.grammar is not None
+        return OutputParser(
+            thinking=self.profile.thinks and not forced,
+            starts_in_reasoning=self.profile.starts_in_reasoning and not forced,
+            tool_names=frozenset() if self.json_output else self.tool_names,
+            bare_json_calls=not self.json_output,
+        )
+
+
+def _sampling(req: CreateRequest, profile: TemplateProfile) -> SamplingParams:
+    params = SamplingParams(max_tokens=req.max_output_tokens, ignore_eos=req.ignore_eos)
+    if req.temperature is not None:
+        params.temperature = req.temperature
+    if req.top_p is not None:
+        params.top_p = req.top_p
+    fmt = req.text.format
+    if isinstance(fmt, FormatJsonSchema):
+        params.json_schema = json.dumps(fmt.schema)
+    elif isinstance(fmt, FormatJsonObject):
+        params.json_object = True
+    choice = req.tool_choice
+    if choice == "required" or isinstance(choice, NamedFunction):
+        chosen = [t for t in req.tools if not isinstance(choice, NamedFunction) or t.name == choice.name]
+        params.grammar = tool_call_grammar(
+            [(t.name, t.parameters) for t in chosen],
+            style=profile.tool_style,
+            parallel=req.parallel_tool_calls and not isinstance(choice, NamedFunction),
+        )
+        params.json_schema, params.json_object = None, False
+    elif req.tools and choice == "auto" and not req.parallel_tool_calls and profile.tool_style == "hermes":
+        # One call at most: stop at the end of the first; the parser closes it.
+        params.stop = ["</tool_call>"]
+    return params
+
+
+def plan(req: CreateRequest, history: list[Item], items: list[Item], facts: ModelFacts) -> Plan:
+    profile = profile_for(facts.chat_template)
+    use_tools = bool(req.tools) and req.tool_choice != "none"
+    params = _sampling(req, profile)
+    effort = req.reasoning.effort if req.reasoning else None
+    return Plan(
+        messages=to_messages(history, items, req.instructions),
+        params=params,
+        tools=template_tools(req.tools) if use_tools else None,
+        template_vars=profile.template_vars(effort),
+        profile=profile,
+        tool_names=frozenset(t.name for t in req.tools) if use_tools else frozenset(),
+        json_output=(params.json_schema is not None or params.json_object) and params.grammar is None,
+    )
+
+
+async def run(
+    pool: GenerationPool,
+    model: str,
+    plan: Plan,
+    builder: EventBuilder,
+    *,
+    request_id: str = "",
+    raise_early: bool = False,
+) -> AsyncGenerator[Event, None]:
+    """Yield every event of the response, ending with one terminal event.
+
+    With ``raise_early``, an unknown model, a refused request or a prompt the
+    worker rejects (e.g. too long) raises before any output, so the caller can
+    answer 404/503/400, instead of producing a failed response.
+    """
+    for event in builder.start():
+        yield event
+    parser = plan.parser()
+    reasoning_tokens = 0
+    done: Done | None = None
+    produced = False
+    try:
+        stream = pool.generate(
+            model,
+            messages=plan.messages,
+            tools=plan.tools,
+            params=plan.params,
+            template_vars=plan.template_vars,
+            request_id=request_id,
+        )
+        async with closing(stream) as outputs:
+            async for out in outputs:
+                produced = True
+                if isinstance(out, Done):
+                    done = out
+                    break
+                if parser.in_reasoning:
+                    reasoning_tokens += out.n_tokens
+                for event in builder.pieces(parser.feed(out.text)):
+                    yield event
+    except (ModelNotFound, Unavailable, BadRequest) as exc:
+        if raise_early and not produced:
+            if isinstance(exc, BadRequest) and exc.param == "messages":
+                # The worker names its own field; here the prompt is "input".
+                raise BadRequest(exc.message, param="input", code=exc.code) from exc
+            raise
+        for event in builder.failed(exc.code or "server_error", exc.message):
+            yield event
+        return
+    except ApiError as exc:
+        for event in builder.failed(exc.code or "server_error", exc.message):
+            yield event
+        return
+    for event in builder.pieces(parser.finish()):
+        yield event
+    if done is None:
+        for event in builder.failed("server_error", "the model worker ended the stream without finishing"):
+            yield event
+        return
+    usage = Usage.of(done.prompt_tokens, done.completion_tokens, done.cached_tokens, reasoning_tokens)
+    if done.finish_reason == "cancelled":
+        for event in builder.failed("cancelled", "the model worker cancelled the generation", usage):
+            yield event
+        return
+    for event in builder.completed(usage, truncated=done.finish_reason == "length"):
+        yield event

@@ -1,0 +1,185 @@
+"""Stored responses in the parent's SQLite database.
+
+A response is one row (the full Response object as JSON) plus its input items
+in order. Both are written in one transaction, so a response is never stored
+half-written; background responses are inserted when queued and updated in
+place as their status changes. ``previous_response_id`` chains are walked with
+one recursive query. A chain whose older links were pruned or deleted simply
+starts at the oldest response still stored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from supervisor.db import Database
+from supervisor.errors import NotFound
+from supervisor.responses.items import Item, decode_item, encode_item
+from supervisor.responses.objects import ErrorInfo, ResponseObject
+
+# Migration for supervisor.db.Database: independent of every other table.
+RESPONSES_SCHEMA: list[str] = [
+    """CREATE TABLE responses (
+        id TEXT PRIMARY KEY,
+        created_at REAL NOT NULL,
+        status TEXT NOT NULL,
+        previous_response_id TEXT,
+        background INTEGER NOT NULL DEFAULT 0,
+        body BLOB NOT NULL
+    )""",
+    "CREATE INDEX responses_created_at ON responses(created_at)",
+    """CREATE TABLE response_input_items (
+        response_id TEXT NOT NULL REFERENCES responses(id) ON DELETE CASCADE,
+        position INTEGER NOT NULL,
+        item_id TEXT NOT NULL,
+        item BLOB NOT NULL,
+        PRIMARY KEY (response_id, position)
+    ) WITHOUT ROWID""",
+]
+
+# Deep enough for any real conversation; stops a corrupted cycle.
+MAX_CHAIN = 10_000
+
+_CHAIN_SQL = """
+WITH RECURSIVE chain(id, prev, depth) AS (
+    SELECT id, previous_response_id, 0 FROM responses WHERE id = ?
+    UNION ALL
+    SELECT r.id, r.previous_response_id, c.depth + 1
+    FROM responses r JOIN chain c ON r.id = c.prev
+    WHERE c.depth < ?
+)
+SELECT c.depth AS depth, 0 AS part, i.position AS position, i.item AS data
+    FROM chain c JOIN response_input_items i ON i.response_id = c.id
+UNION ALL
+SELECT c.depth, 1, 0, r.body FROM chain c JOIN responses r ON r.id = c.id
+ORDER BY depth DESC, part, position
+"""
+
+_UNFINISHED = ("queued", "in_progress")
+
+_body_encoder = msgspec.json.Encoder()
+_body_decoder = msgspec.json.Decoder(ResponseObject)
+
+
+def previous_not_found(response_id: str) -> NotFound:
+    return NotFound(
+        f"previous response {response_id!r} not found",
+        param="previous_response_id",
+        code="previous_response_not_found",
+    )
+
+
+class ResponseStore:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    async def save(self, resp: ResponseObject, items: list[Item]) -> None:
+        """Insert a response and its input items, atomically."""
+        async with self._db.write() as conn:
+            await conn.execute(
+                "INSERT INTO responses (id, created_at, status, previous_response_id, background, body)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (resp.id, resp.created_at, resp.status, resp.previous_response_id, int(resp.background),
+                 _body_encoder.encode(resp)),
+            )
+            await conn.executemany(
+                "INSERT INTO response_input_items (response_id, position, item_id, item) VALUES (?, ?, ?, ?)",
+                [(resp.id, pos, item.id, encode_item(item)) for pos, item in enumerate(items)],
+            )
+
+    async def update(self, resp: ResponseObject) -> bool:
+        """Rewrite a stored response; False if it was deleted meanwhile."""
+        async with self._db.write() as conn:
+            cur = await conn.execute(
+                "UPDATE responses SET status = ?, body = ? WHERE id = ?",
+                (resp.status, _body_encoder.encode(resp), resp.id),
+            )
+            return cur.rowcount == 1
+
+    async def get(self, response_id: str) -> ResponseObject | None:
+        async with self._db.conn.execute("SELECT body FROM responses WHERE id = ?", (response_id,)) as cur:
+            row = await cur.fetchone()
+        return None if row is None else _body_decoder.decode(row[0])
+
+    async def delete(self, response_id: str) -> bool:
+        async with self._db.write() as conn:
+            cur = await conn.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+            return cur.rowcount == 1
+
+    async def history(self, response_id: str) -> tuple[ResponseObject, list[Item]]:
+        """The response ``response_id`` and every item of its chain, oldest first.
+
+        Raises NotFound (``previous_response_not_found``) for an unknown id.
+        """
+        items: list[Item] = []
+        newest: ResponseObject | None = None
+        async with self._db.conn.execute(_CHAIN_SQL, (response_id, MAX_CHAIN)) as cur:
+            async for row in cur:
+                if row["part"] == 0:
+                    items.append(decode_item(row["data"]))
+                    continue
+                resp = _body_decoder.decode(row["data"])
+                items.extend(resp.output)
+                if row["depth"] == 0:
+                    newest = resp
+        if newest is None:
+            raise previous_not_found(response_id)
+        return newest, items
+
+    async def input_items(
+        self, response_id: str, *, after: str | None, limit: int, order: Literal["asc", "desc"]
+    ) -> tuple[list[Item], bool]:
+        """A page of input items and whether more follow. Raises NotFound."""
+        if await self.get(response_id) is None:
+            raise NotFound(f"response {response_id!r} not found", param="response_id")
+        cmp, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+        params: list[object] = [response_id]
+        where = "response_id = ?"
+        if after is not None:
+            start = await self._position(response_id, after)
+            where += f" AND position {cmp} ?"
+            params.append(start)
+        params.append(limit + 1)
+        sql = f"SELECT item FROM response_input_items WHERE {where} ORDER BY position {direction} LIMIT ?"
+        async with self._db.conn.execute(sql, params) as cur:
+            rows = list(await cur.fetchall())
+        items = [decode_item(row[0]) for row in rows[:limit]]
+        return items, len(rows) > limit
+
+    async def _position(self, response_id: str, item_id: str) -> int:
+        async with self._db.conn.execute(
+            "SELECT MIN(position) FROM response_input_items WHERE response_id = ? AND item_id = ?",
+            (response_id, item_id),
+        ) as cur:
+            row = await cur.fetchone()
+        if row is None or row[0] is None:
+            raise NotFound(f"item {item_id!r} not found in response {response_id!r}", param="after")
+        return int(row[0])
+
+    async def prune(self, older_than: float) -> int:
+        """Delete finished responses created before ``older_than`` (epoch seconds)."""
+        async with self._db.write() as conn:
+            cur = await conn.execute(
+                "DELETE FROM responses WHERE created_at < ? AND status NOT IN (?, ?)",
+                (older_than, *_UNFINISHED),
+            )
+            return cur.rowcount
+
+    async def interrupt_unfinished(self) -> int:
+        """At boot: background responses left queued or running become failed."""
+        async with self._db.write() as conn:
+            async with conn.execute(
+                "SELECT body FROM responses WHERE status IN (?, ?)", _UNFINISHED
+            ) as cur:
+                rows = list(await cur.fetchall())
+            for row in rows:
+                resp = _body_decoder.decode(row[0])
+                resp.status = "failed"
+                resp.error = ErrorInfo(code="interrupted", message="the server restarted while this response ran")
+                await conn.execute(
+                    "UPDATE responses SET status = ?, body = ? WHERE id = ?",
+                    (resp.status, _body_encoder.encode(resp), resp.id),
+                )
+            return len(rows)

@@ -1,0 +1,123 @@
+"""Tool-call grammars: well-formed GBNF, and what they force parses back."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.responses.grammar import (
+    SchemaGrammar,
+    ToolStyle,
+    gbnf_literal,
+    tool_call_grammar,
+)
+from supervisor.responses.parse import OutputParser, Piece, ToolCall
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+        "days": {"type": "integer"},
+        "metric": {"type": "boolean"},
+    },
+    "required": ["city"],
+}
+NESTED = {
+    "type": "object",
+    "$defs": {"unit": {"enum": ["c", "f"]}},
+    "properties": {
+        "unit": {"$ref": "#/$defs/unit"},
+        "tags": {"type": "array", "items": {"const": "x"}},
+        "mode": {"anyOf": [{"type": "null"}, {"enum": ["fast"]}]},
+    },
+    "required": ["unit", "tags", "mode"],
+}
+TOOLS: list[tuple[str, dict[str, Any] | None]] = [("get_weather", WEATHER), ("nested", NESTED), ("ping", None)]
+
+
+def test_literal_escaping() -> None:
+    assert gbnf_literal('a"b\\c\n') == '"a\\"b\\\\c\\n"'
+
+
+def test_rules_per_style() -> None:
+    hermes = tool_call_grammar(TOOLS, style="hermes", parallel=False)
+    assert hermes.startswith("root ::= hermes-call\n")
+    assert '"<tool_call>\\n" call "\\n</tool_call>"' in hermes
+    assert '\\"arguments\\": "' in hermes
+    assert '\\"parameters\\": "' in tool_call_grammar(TOOLS, style="llama3", parallel=False)
+    mistral = tool_call_grammar(TOOLS, style="mistral", parallel=True)
+    assert mistral.startswith('root ::= "[TOOL_CALLS][" call ( ", " call ){0,7} "]"')
+
+
+def test_object_without_required_keys_allows_any_ordered_subset() -> None:
+    g = SchemaGrammar()
+    name = g.schema_rule({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "null"}}}, "o")
+    assert g.rules[name].startswith('"{" ws ( ( "\\"a\\"" ')
+    assert g.schema_rule({"type": "object", "additionalProperties": False}, "e") == "empty-object"
+    assert g.schema_rule({}, "any") == "value"
+
+
+def test_recursive_ref_terminates() -> None:
+    schema = {"$defs": {"node": {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#/$defs/node"},
+                                                                                     {"type": "null"}]}}}},
+              "$ref": "#/$defs/node"}
+    g = SchemaGrammar()
+    assert g.schema_rule(schema, "root", root=schema) == "ref-node"
+    assert "ref-node-body-next ::= ref-node | null" in g.render("ref-node")
+
+
+# ---------------------------------------------- generation under the grammar
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from supervisor.demo_model import write_tiny_gguf
+
+    path = write_tiny_gguf(Path(tmp_path_factory.mktemp("gram")) / "tiny.gguf")
+    model = llama_cpp.Llama(str(path), n_ctx=512, n_threads=1, verbose=False)
+    yield model
+    model.close()
+
+
+def generate(llm: Any, grammar: str, seed: int) -> str:
+    from llama_cpp.llama_grammar import LlamaGrammar
+
+    compiled = LlamaGrammar.from_string(grammar, verbose=False)
+    out = llm.create_completion("call", grammar=compiled, max_tokens=300, temperature=1.0, seed=seed)
+    assert out["choices"][0]["finish_reason"] == "stop"
+    return str(out["choices"][0]["text"])
+
+
+def parse_all(text: str) -> list[Piece]:
+    parser = OutputParser(tool_names=frozenset(name for name, _ in TOOLS))
+    return parser.feed(text) + parser.finish()
+
+
+def check_call(call: ToolCall) -> None:
+    args = json.loads(call.arguments)
+    assert isinstance(args, dict)
+    if call.name == "get_weather":
+        assert args["city"] in ("Paris", "Oslo") and set(args) <= {"city", "days", "metric"}
+    elif call.name == "nested":
+        assert args["unit"] in ("c", "f") and set(args["tags"]) <= {"x"} and args["mode"] in (None, "fast")
+
+
+@pytest.mark.parametrize("style", ["hermes", "mistral", "llama3"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_forced_output_parses_as_calls(llm: Any, style: ToolStyle, seed: int) -> None:
+    text = generate(llm, tool_call_grammar(TOOLS, style=style, parallel=False), seed)
+    pieces = parse_all(text)
+    assert len(pieces) == 1 and isinstance(pieces[0], ToolCall), text
+    check_call(pieces[0])
+
+
+def test_named_function_only(llm: Any) -> None:
+    text = generate(llm, tool_call_grammar([("nested", NESTED)], style="hermes", parallel=False), 5)
+    (call,) = parse_all(text)
+    assert isinstance(call, ToolCall) and call.name == "nested"
+    check_call(call)
