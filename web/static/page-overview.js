@@ -1,0 +1,118 @@
+// Overview: what the workstation is doing right now. Polls the service,
+// the GPU lease, the models and the active jobs.
+import { getJson } from './api.js';
+import { badge, errorBox, formatBytes, formatDuration, h, progressBar, replace } from './dom.js';
+import { poll } from './poll.js';
+
+const ACTIVE_MODEL_STATES = new Set(['starting', 'ready', 'draining', 'stopping', 'crashed', 'failed']);
+
+export function keepAliveText(model, now = Date.now() / 1000) {
+  const at = model.keep_alive_expires_at;
+  if (at === null || at === undefined) return model.state === 'ready' ? 'kept loaded' : '—';
+  const left = at - now;
+  return left > 0 ? `unloads in ${formatDuration(left)}` : 'unloading when idle';
+}
+
+function card(title, body, extra = null) {
+  return h('section', { class: 'card', 'aria-label': title }, h('div', { class: 'card-head' }, h('h2', { text: title }), extra), body);
+}
+
+function serviceCard(health, version) {
+  if (!health) return card('Service', h('p', { class: 'muted', text: 'Loading…' }));
+  return card('Service', h('dl', { class: 'facts' },
+    h('dt', { text: 'Status' }), h('dd', {}, badge(health.status === 'ok' ? 'ready' : 'failed', health.status)),
+    h('dt', { text: 'Version' }), h('dd', { text: version || '—' }),
+    h('dt', { text: 'Uptime' }), h('dd', { class: 'uptime', text: formatDuration(health.uptime_s) }),
+    h('dt', { text: 'Workers' }), h('dd', { text: String(health.workers?.length ?? 0) })));
+}
+
+function gpuCard(gpu) {
+  if (!gpu) return card('GPU lease', h('p', { class: 'muted', text: 'Loading…' }));
+  const devices = gpu.devices.map((d) => h('div', { class: 'device' },
+    h('div', { class: 'row' },
+      h('strong', { text: d.name || d.id }), h('span', { class: 'muted', text: d.id }),
+      d.memory_total_mib ? h('span', { class: 'muted', text: formatBytes(d.memory_total_mib * 1048576) }) : null,
+      h('span', { class: 'spacer' }), badge(d.state)),
+    d.holder
+      ? h('p', { class: 'small' }, `${d.state === 'holding' ? 'Held' : 'Being freed'} for `,
+        h('a', { href: `#/jobs/${encodeURIComponent(d.holder.job_id)}`, text: d.holder.label || d.holder.job_id }),
+        ` · ${formatDuration(d.holder.state_for_s)}`)
+      : h('p', { class: 'small muted', text: 'Free: model workers may use it.' })));
+  const waiters = gpu.waiters.length
+    ? h('div', {}, h('h3', { text: 'Waiting' }), h('ul', { class: 'plain' }, gpu.waiters.map((w) => h('li', { class: 'small' },
+      h('a', { href: `#/jobs/${encodeURIComponent(w.job_id)}`, text: w.label || w.job_id }),
+      ` wants ${w.devices.join(', ')} · priority ${w.priority} · waiting ${formatDuration(w.waited_s)}`))))
+    : h('p', { class: 'small muted', text: 'Nobody is waiting.' });
+  return card('GPU lease', [devices, waiters]);
+}
+
+function modelsCard(models) {
+  if (!models) return card('Loaded models', h('p', { class: 'muted', text: 'Loading…' }));
+  const active = models.filter((m) => ACTIVE_MODEL_STATES.has(m.state));
+  const link = h('a', { href: '#/models', class: 'small', text: 'All models' });
+  if (!active.length) return card('Loaded models', h('p', { class: 'empty', text: 'No model is loaded. Models load on first use, or from the Models page.' }), link);
+  const rows = active.map((m) => h('tr', {},
+    h('td', {}, h('code', { text: m.id })),
+    h('td', {}, badge(m.state), m.load ? progressBar(m.load.progress, `loading ${m.id}`) : null),
+    h('td', { text: m.fit ? formatBytes(m.fit.needed_bytes) : formatBytes(m.size_bytes) }),
+    h('td', { text: m.worker?.n_ctx ? String(m.worker.n_ctx) : '—' }),
+    h('td', { class: 'keepalive', dataset: { expires: m.keep_alive_expires_at ?? '', state: m.state }, text: keepAliveText(m) }),
+    h('td', { text: m.worker ? `${m.worker.in_flight} / ${m.worker.queued}` : '—' })));
+  return card('Loaded models', h('div', { class: 'table-wrap' }, h('table', {},
+    h('thead', {}, h('tr', {}, ['Model', 'State', 'Memory', 'Context', 'Keep-alive', 'Busy / queued'].map((t) => h('th', { text: t })))),
+    h('tbody', {}, rows))), link);
+}
+
+function jobsCard(jobs) {
+  if (!jobs) return card('Active jobs', h('p', { class: 'muted', text: 'Loading…' }));
+  const link = h('a', { href: '#/jobs', class: 'small', text: 'All jobs' });
+  if (!jobs.length) return card('Active jobs', h('p', { class: 'empty', text: 'No job is running or queued.' }), link);
+  return card('Active jobs', h('ul', { class: 'plain job-mini' }, jobs.map((j) => h('li', {},
+    h('div', { class: 'row' }, h('a', { href: `#/jobs/${encodeURIComponent(j.id)}`, text: j.id }),
+      h('span', { class: 'muted', text: j.kind }), h('span', { class: 'spacer' }), badge(j.status)),
+    progressBar(j.progress, `${j.id} progress`),
+    h('p', { class: 'small muted', text: [j.stage, j.message].filter(Boolean).join(' · ') || ' ' })))), link);
+}
+
+export function mount(root) {
+  const version = document.querySelector('meta[name="gpuvisor-version"]')?.content;
+  const grid = h('div', { class: 'cards' });
+  const errors = h('div');
+  root.append(h('div', { class: 'page-head' }, h('h1', { text: 'Overview' }),
+    h('p', { class: 'muted', text: 'The GPU lease, loaded models and running work on this workstation.' })), errors, grid);
+  const state = { health: null, gpu: null, models: null, jobs: null };
+
+  function render() {
+    replace(grid, serviceCard(state.health, version), gpuCard(state.gpu), modelsCard(state.models), jobsCard(state.jobs));
+  }
+  render();
+
+  const poller = poll(async () => {
+    const results = await Promise.allSettled([
+      getJson('/healthz'), getJson('/api/gpu'), getJson('/api/models'),
+      getJson('/api/jobs?status=running,queued&limit=20'),
+    ]);
+    const [health, gpu, models, jobs] = results;
+    if (health.status === 'fulfilled') state.health = health.value;
+    if (gpu.status === 'fulfilled') state.gpu = gpu.value;
+    if (models.status === 'fulfilled') state.models = models.value.data;
+    if (jobs.status === 'fulfilled') state.jobs = jobs.value.data;
+    const failed = results.find((r) => r.status === 'rejected');
+    replace(errors, failed ? errorBox(failed.reason, 'Could not refresh') : null);
+    render();
+  }, 2000);
+
+  // Countdowns tick every second between polls.
+  const ticker = setInterval(() => {
+    for (const cell of grid.querySelectorAll('td.keepalive')) {
+      const expires = cell.dataset.expires;
+      cell.textContent = keepAliveText({ keep_alive_expires_at: expires === '' ? null : Number(expires), state: cell.dataset.state });
+    }
+    if (state.health) {
+      const up = grid.querySelector('.uptime');
+      if (up) up.textContent = formatDuration((state.health.uptime_s += 1));
+    }
+  }, 1000);
+
+  return () => { poller.stop(); clearInterval(ticker); };
+}
