@@ -116,7 +116,8 @@ def summarize(name: str, runs: list[Run]) -> dict[str, float]:
     tps = statistics.median(r.tps for r in runs)
     ttft = statistics.median(r.ttft for r in runs)
     toks = runs[0].tokens
-    print(f"  {name:<34} {tps:10.1f} tok/s   ttft {ttft * 1000:8.1f} ms   ({toks} tokens, median of {len(runs)})")
+    print(f"  {name:<34} {tps:10.1f} tok/s   ttft {ttft * 1000:8.1f} ms   ({toks} tokens, median of {len(runs)})",
+          flush=True)
     return {"tps": tps, "ttft": ttft}
 
 
@@ -124,6 +125,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--runs", type=int, default=3)
+    # llama_cpp.server slows down quadratically with output length (minutes
+    # per 1,000-token run on a small machine): one run is enough to compare.
+    ap.add_argument("--peer-runs", type=int, default=1)
     args = ap.parse_args()
     n = args.tokens
     work = Path(tempfile.mkdtemp(prefix="gvbench"))
@@ -167,9 +171,10 @@ def main() -> int:
             # Ban every end-of-generation token so all three produce n tokens.
             body = {"model": "tiny", "prompt": PROMPT, "max_tokens": n, "temperature": 0, "stream": True,
                     "logit_bias": {"2": -100.0, "4": -100.0}}
-            stream_sse(base + "/v1/completions", body, False)
+            stream_sse(base + "/v1/completions", {**body, "max_tokens": 16}, False)  # warm-up
             results["c"] = summarize("(c) llama_cpp.server HTTP SSE",
-                                     [stream_sse(base + "/v1/completions", body, False) for _ in range(args.runs)])
+                                     [stream_sse(base + "/v1/completions", body, False)
+                                      for _ in range(args.peer_runs)])
         finally:
             proc.terminate()
             proc.wait()
@@ -184,13 +189,10 @@ def main() -> int:
 
 
 def responses_compare(base_url: str, n: int, runs: int) -> None:
-    """Filled in by the Responses benchmark when that API is present."""
-    spec = importlib.util.find_spec("bench.responses_bench")
-    if spec is None:
-        return
-    from bench.responses_bench import compare  # type: ignore[import-not-found]
+    """/v1/responses against /v1/chat/completions on the same server."""
+    from bench.responses_bench import compare_responses_to_chat
 
-    compare(base_url, "tiny", n, runs)
+    compare_responses_to_chat(base_url, "tiny", tokens=n, runs=runs)
 
 
 if __name__ == "__main__":

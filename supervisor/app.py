@@ -20,6 +20,7 @@ from aiohttp import web
 from jobs.params import Roots
 from jobs.store import JOBS_SCHEMA, JobStore
 from supervisor import responses, routes_jobs, routes_models, routes_openai, routes_web
+from supervisor import auth, logs, metrics, proxies, shutdown
 from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
@@ -37,12 +38,13 @@ log = logging.getLogger("gpuvisor.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Database migrations, in order; only ever append.
-MIGRATIONS = [JOBS_SCHEMA, responses.RESPONSES_SCHEMA]
+MIGRATIONS = [JOBS_SCHEMA, responses.RESPONSES_SCHEMA, auth.AUTH_SCHEMA]
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    request["request_id"] = request.headers.get("X-Request-Id") or "req_" + secrets.token_hex(8)
+    # logs.access_middleware (outside this one) normally assigned it already.
+    request.setdefault("request_id", request.headers.get("X-Request-Id") or "req_" + secrets.token_hex(8))
     try:
         resp = await handler(request)
     except ApiError as err:
@@ -179,13 +181,28 @@ async def workers(request: web.Request) -> web.Response:
 
 
 def build_app(cfg: Config) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
+    gate = auth.Auth.from_config(cfg)
+    stats = metrics.Metrics()
+    # Outermost first: the real client (proxies), then the request id and
+    # access log, metrics, typed errors, refusal while draining, auth.
+    app = web.Application(middlewares=[
+        proxies.TrustedProxies.from_config(cfg).middleware(), logs.access_middleware(cfg.access_log),
+        stats.middleware(), error_middleware, shutdown.refuse_while_draining, gate.middleware(),
+    ], client_max_size=cfg.max_body_bytes)
     app[CONFIG] = cfg
     app[STARTED_AT] = time.time()
+    app[auth.AUTH] = gate
+    app[metrics.METRICS] = stats
+    app[shutdown.SHUTDOWN] = shutdown.ShutdownState()
     app.cleanup_ctx.extend([db_ctx, library_ctx, lab_ctx])
     # After the contexts that provide the database and the pool.
     responses.setup(app, retention_s=cfg.responses_retention_days * 86400,
                     keepalive_s=cfg.responses_keepalive_s)
+    app.cleanup_ctx.extend([auth.keys_ctx, metrics.observe_ctx])
+    app.on_response_prepare.extend([logs.add_request_id, auth.security_headers])
+    app.on_shutdown.append(shutdown.drain)
+    metrics.add_routes(app)
+    auth.add_routes(app)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/api/workers", workers)

@@ -5,15 +5,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from typing import Any
 
+import msgspec
 import uvloop
 from aiohttp import web
 
+from supervisor import logs, service_cli, systemd
 from supervisor.app import build_app
 from supervisor.config import Config, ConfigError, load_config
+from supervisor.shutdown import SHUTDOWN
 
 log = logging.getLogger("gpuvisor")
 
@@ -33,25 +37,39 @@ class Shutdown:
 
     def __init__(self) -> None:
         self.requested = asyncio.Event()
+        self.hurry = asyncio.Event()  # a second signal: shorten the shutdown
         self.count = 0
 
     def handle(self, signum: int) -> None:
         self.count += 1
         log.info("received %s (%d)", signal.Signals(signum).name, self.count)
         self.requested.set()
+        if self.count >= 2:
+            self.hurry.set()
+
+
+def _drain_bound(cfg: Config) -> float:
+    """How long a clean shutdown may take: streams, then jobs and workers."""
+    return cfg.shutdown_timeout * 2 + cfg.job_grace_s + cfg.kill_grace * 2 + 10
 
 
 async def serve(cfg: Config) -> int:
     loop = asyncio.get_running_loop()
     stop = Shutdown()
+    # Read and remove NOTIFY_SOCKET: no child may notify systemd in our name.
+    notifier = systemd.Notifier.from_environ(os.environ)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.handle, sig)
     app = build_app(cfg)
+    stop.hurry = app[SHUTDOWN].hurry
     # handler_cancellation: a client that disconnects cancels its handler,
     # which cancels its generation in the worker even during a silent prefill.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=cfg.shutdown_timeout)
+    # setup() runs the cleanup contexts: database open, boot recovery, lab.
     await runner.setup()
+    keepalive: asyncio.Task[None] | None = None
+    extend: asyncio.Task[None] | None = None
     try:
         site = web.TCPSite(runner, cfg.host, cfg.port)
         await site.start()
@@ -59,30 +77,56 @@ async def serve(cfg: Config) -> int:
         # Tests and scripts read this line to learn the port when it was 0.
         print(f"gpuvisor listening on http://{cfg.host}:{port}", flush=True)
         log.info("state dir %s, models dir %s", cfg.state_dir, cfg.models_dir)
+        notifier.ready(systemd.service_status(app))
+        keepalive = asyncio.create_task(systemd.keepalive(
+            notifier, lambda: systemd.healthy(app, timeout=5.0), lambda: systemd.service_status(app)),
+            name="sd-keepalive")
         await stop.requested.wait()
         log.info("shutting down: no new requests; streams get up to %.0fs", cfg.shutdown_timeout)
+        notifier.stopping("stopping: draining requests and jobs")
+        extend = asyncio.create_task(systemd.extend_while(notifier, _drain_bound(cfg)), name="sd-extend")
     finally:
+        await _end_task(keepalive)
         await runner.cleanup()
+        await _end_task(extend)
+        notifier.close()
     log.info("stopped")
     return 0
+
+
+async def _end_task(task: asyncio.Task[None] | None) -> None:
+    if task is None:
+        return
+    task.cancel()
+    (result,) = await asyncio.gather(task, return_exceptions=True)
+    if isinstance(result, Exception):
+        log.error("%s had failed: %r", task.get_name(), result)
+
+
+_CONFIG_FIELDS = {f.name for f in msgspec.structs.fields(Config)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gpuvisor")
     sub = ap.add_subparsers(dest="command", required=True)
     _serve_args(sub)
+    service_cli.add_subcommands(sub)
     args = ap.parse_args(argv)
-    cli = {k: v for k, v in vars(args).items() if k != "command"}
+    cli = {k: v for k, v in vars(args).items() if k in _CONFIG_FIELDS}
     try:
         cfg = load_config(cli)
+        service_cli.check_settings(cfg)
     except ConfigError as exc:
         print(f"gpuvisor: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(cfg.log_level, cfg.log_format, [cfg.admin_token, cfg.hf_token])
     if args.command == "serve":
+        problem = service_cli.exposure_problem(cfg)
+        if problem is not None:
+            print(f"gpuvisor: {problem}", file=sys.stderr)
+            return 2
         return uvloop.run(serve(cfg))
-    return 2
+    return service_cli.run(args, cfg)
 
 
 if __name__ == "__main__":

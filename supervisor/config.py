@@ -124,6 +124,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     job_retention_days: float = 14.0
     drain_timeout: float = 30.0
     max_upload_bytes: int = 1 << 30
+    # Running as a service: auth, proxies, logs (supervisor/auth.py, proxies.py, logs.py)
+    admin_token: str = ""  # plain, or a scrypt$ hash from `gpuvisor keys admin-token`
+    api_keys: list[str] = []  # "NAME:ID:scrypt$..." from `gpuvisor keys add NAME --print-config`
+    allow_unauthenticated: bool = False  # permit a non-loopback bind with no auth at all
+    allowed_origins: list[str] = []  # extra browser origins allowed to change state
+    trusted_proxies: list[str] = []  # addresses/CIDRs whose X-Forwarded-* are believed
+    log_format: str = "text"  # text, kv or json
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -223,8 +223,19 @@ def test_chat_streams_text_and_shows_usage(page: tuple[Any, PageWatch], server: 
     watch.check(allow=("404",))
 
 
-def test_stop_button_cancels_generation(page: tuple[Any, PageWatch], server: Server) -> None:
-    pg, watch = page
+def test_stop_button_cancels_generation(browser: Any, start_server: Any, tiny_model_path: Path) -> None:
+    from supervisor.demo_model import write_tiny_gguf
+    from tests.server import short_tempdir
+
+    # A long context so the generation surely outlasts the click on Stop.
+    models = short_tempdir("gvm")
+    write_tiny_gguf(models / "tiny.gguf", n_ctx=65536)
+    server = start_server(models, env={"GPUVISOR_N_CTX": "65536"})
+    context = browser.new_context(viewport=DESKTOP)
+    context.set_default_timeout(20_000)
+    pg = context.new_page()
+    watch = PageWatch(server.base_url)
+    watch.attach(pg)
     probe = httpx.post(f"{server.base_url}/v1/responses", json={}, timeout=10)
     if probe.status_code == 404:
         pytest.skip("needs /v1/responses (with ignore_eos) to make a generation long enough to stop")
@@ -254,6 +265,7 @@ def test_stop_button_cancels_generation(page: tuple[Any, PageWatch], server: Ser
         """async () => (await (await fetch('/api/workers')).json()).workers.every(w => w.in_flight === 0)""",
         polling=200)
     watch.check(allow=("404",))
+    context.close()
 
 
 def test_asks_for_the_admin_token_once_on_401(browser: Any, start_server: Any, tiny_model_path: Path) -> None:

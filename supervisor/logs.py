@@ -1,0 +1,162 @@
+"""Structured logs: text, key=value or JSON lines; request ids; secrets redacted.
+
+Every request gets an id (``X-Request-Id`` from the client when it is sane,
+else a new one). It is returned in the response header, attached to the
+access log line and passed to the model worker with the generation, so one
+request can be followed across processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+LOG_FORMATS = ("text", "kv", "json")
+# Fields a record may carry through ``extra=``; rendered after the message.
+CONTEXT_FIELDS = ("request_id", "status", "duration_ms", "client", "scheme", "host", "key", "model")
+# Shapes of secrets we hand out or accept: our API keys, HF tokens, bearer headers.
+_SECRET_SHAPES = re.compile(
+    r"(gv_[0-9a-f]{8}_[A-Za-z0-9_\-]+|hf_[A-Za-z0-9]{16,}|(?i:bearer)\s+[A-Za-z0-9._~+/=\-]+)")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+REDACTED = "[redacted]"
+
+
+def incoming_request_id(request: web.BaseRequest) -> str:
+    """The client's X-Request-Id if it is short and plain (no log injection)."""
+    given = request.headers.get("X-Request-Id", "")
+    if _REQUEST_ID.fullmatch(given):
+        return given
+    return "req_" + secrets.token_hex(8)
+
+
+class Redactor(logging.Filter):
+    """Replaces known secret values and secret-shaped strings in records."""
+
+    def __init__(self, secrets_: Iterable[str] = ()) -> None:
+        super().__init__()
+        # Short values would redact ordinary words; configured secrets are long.
+        self.values = sorted({s for s in secrets_ if len(s) >= 8}, key=len, reverse=True)
+
+    def scrub(self, text: str) -> str:
+        for value in self.values:
+            text = text.replace(value, REDACTED)
+        return _SECRET_SHAPES.sub(REDACTED, text)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = self.scrub(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and record.exc_text is None:
+            record.exc_text = self.scrub(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+def _context(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: getattr(record, k) for k in CONTEXT_FIELDS if getattr(record, k, None) is not None}
+
+
+def _exc_text(record: logging.LogRecord, fmt: logging.Formatter) -> str:
+    if record.exc_text:
+        return record.exc_text
+    return fmt.formatException(record.exc_info) if record.exc_info else ""
+
+
+def _kv_value(value: Any) -> str:
+    text = str(value)
+    if text and not any(c in text for c in ' "=\n\t'):
+        return text
+    return json.dumps(text)
+
+
+class KeyValueFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        fields = {"ts": f"{ts}.{int(record.msecs):03d}Z", "level": record.levelname.lower(),
+                  "logger": record.name, "msg": record.getMessage(), **_context(record)}
+        line = " ".join(f"{k}={_kv_value(v)}" for k, v in fields.items())
+        exc = _exc_text(record, self)
+        if exc:
+            line += " exc=" + _kv_value(exc)
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname.lower(),
+                               "logger": record.name, "msg": record.getMessage(), **_context(record)}
+        exc = _exc_text(record, self)
+        if exc:
+            out["exc"] = exc
+        return json.dumps(out, default=str, ensure_ascii=False)
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        ctx = _context(record)
+        return line + ("" if not ctx else " " + " ".join(f"{k}={_kv_value(v)}" for k, v in ctx.items()))
+
+
+def configure(level: str, fmt: str, secret_values: Iterable[str] = ()) -> None:
+    """Install one stderr handler (journald adds its own timestamps)."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
+    formatter: logging.Formatter = {"json": JsonFormatter, "kv": KeyValueFormatter}.get(fmt, TextFormatter)()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    handler.addFilter(Redactor(secret_values))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def access_middleware(enabled: bool) -> Middleware:
+    """Assigns the request id and writes one access line per request."""
+    access = logging.getLogger("gpuvisor.access")
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        request["request_id"] = incoming_request_id(request)
+        start = time.monotonic()
+        status = 499  # the client went away before an answer (nginx's convention)
+        try:
+            resp: web.StreamResponse = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            if enabled:
+                access.info("%s %s %d", request.method, request.path, status, extra={
+                    "request_id": request["request_id"], "client": request.remote,
+                    "scheme": request.scheme, "host": request.host,
+                    "status": status, "key": request.get("auth_name"),
+                    "duration_ms": round((time.monotonic() - start) * 1000, 1)})
+
+    return middleware
+
+
+async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: streamed responses get the header too."""
+    rid = request.get("request_id")
+    if rid and "X-Request-Id" not in response.headers:
+        response.headers["X-Request-Id"] = rid

@@ -1,0 +1,91 @@
+"""``gpuvisor pull REPO[@REV][:QUANT]``: a download job on the running service,
+followed live with a progress bar until it ends. Ctrl-C cancels the job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, TextIO
+
+import aiohttp
+import msgspec
+
+from jobs.download_params import parse_pull_spec
+from supervisor.config import Config
+
+
+def add_subcommand(sub: Any) -> argparse.ArgumentParser:
+    sp: argparse.ArgumentParser = sub.add_parser("pull", help="download a model from the Hugging Face Hub")
+    sp.add_argument("spec", metavar="REPO[@REV][:QUANT]",
+                    help="e.g. Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M")
+    sp.add_argument("--url", help="service URL (default: from host/port in the config)")
+    sp.add_argument("--token", help="admin token (default: GPUVISOR_TOKEN, then admin_token)")
+    return sp
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def render_progress(data: dict[str, Any], width: int = 30) -> str:
+    frac = float(data.get("progress", 0.0))
+    filled = int(frac * width)
+    line = f"[{'#' * filled}{'.' * (width - filled)}] {frac * 100:5.1f}%"
+    if "bytes_total" in data:
+        line += f"  {_mib(data.get('bytes_done', 0))} / {_mib(data['bytes_total'])}"
+    if data.get("rate"):
+        line += f"  {_mib(data['rate'])}/s"
+    return line
+
+
+async def _events(http: aiohttp.ClientSession, url: str) -> Any:
+    """(event type, data) pairs from a job's SSE stream."""
+    async with http.get(url, timeout=aiohttp.ClientTimeout(total=None, sock_read=120)) as resp:
+        resp.raise_for_status()
+        kind, data = "message", ""
+        async for raw in resp.content:
+            line = raw.decode().rstrip("\r\n")
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                data += line[6:]
+            elif not line and data:
+                yield kind, json.loads(data)
+                kind, data = "message", ""
+
+
+async def pull(args: argparse.Namespace, cfg: Config, url: str, headers: dict[str, str],
+               out: TextIO = sys.stderr) -> int:
+    params = msgspec.to_builtins(parse_pull_spec(args.spec))
+    async with aiohttp.ClientSession(headers=headers) as http:
+        async with http.post(url + "/api/jobs", json={"kind": "download", "params": params}) as resp:
+            body = await resp.json()
+            if resp.status >= 400:
+                print(f"gpuvisor: {body['error']['message']}", file=out)
+                return 1
+        job_id = body["id"]
+        print(f"pulling {args.spec} (job {job_id})", file=out)
+        try:
+            return await _follow(http, f"{url}/api/jobs/{job_id}/events", out)
+        except (KeyboardInterrupt, aiohttp.ClientError) as exc:
+            await http.post(f"{url}/api/jobs/{job_id}/cancel")
+            print(f"\ncancelled ({type(exc).__name__})", file=out)
+            return 130
+
+
+async def _follow(http: aiohttp.ClientSession, url: str, out: TextIO) -> int:
+    async for kind, event in _events(http, url):
+        if kind == "progress":
+            print("\r" + render_progress(event.get("data", {})), end="", file=out, flush=True)
+        elif kind == "stage":
+            print(f"\n{event.get('data', {}).get('stage', '')}", file=out)
+        elif kind == "end":
+            print("", file=out)
+            if event["status"] == "succeeded":
+                result = event.get("result") or {}
+                print(f"done: model {result.get('model_id', '?')} is in the library", file=out)
+                return 0
+            print(f"{event['status']}: {event.get('error') or ''}", file=out)
+            return 1
+    return 1

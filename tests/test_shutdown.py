@@ -1,0 +1,114 @@
+"""SIGTERM: streams end cleanly within the bound, jobs stop, nothing is left."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from tests.server import Server, short_tempdir
+
+LONG = {"GPUVISOR_N_CTX": "16384"}
+
+
+def _models(tiny_model_path: Path) -> Path:
+    models = short_tempdir("gvm")
+    (models / "tiny.gguf").symlink_to(tiny_model_path)
+    return models
+
+
+class StreamReader(threading.Thread):
+    """Reads one long chat stream in the background, keeping every event."""
+
+    def __init__(self, srv: Server) -> None:
+        super().__init__(daemon=True)
+        self.srv = srv
+        self.events: list[dict[str, Any]] = []
+        self.started = threading.Event()
+        self.ended_at = 0.0
+
+    def run(self) -> None:
+        body = {"model": self.srv.model, "stream": True, "max_tokens": 15000, "ignore_eos": True,
+                "temperature": 0, "messages": [{"role": "user", "content": "go on"}]}
+        with httpx.stream("POST", self.srv.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    self.events.append(json.loads(line[6:]))
+                    if len(self.events) >= 5:
+                        self.started.set()
+        self.ended_at = time.monotonic()
+
+
+def _descendants(srv: Server) -> list[psutil.Process]:
+    assert srv.proc is not None
+    children: list[psutil.Process] = psutil.Process(srv.proc.pid).children(recursive=True)
+    return children
+
+
+def _none_alive(procs: list[psutil.Process]) -> bool:
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    return not alive
+
+
+def test_sigterm_ends_streams_cleanly_and_leaves_nothing(
+        tiny_model_path: Path, start_server: Callable[..., Server]) -> None:
+    srv = start_server(_models(tiny_model_path), env={**LONG, "GPUVISOR_SHUTDOWN_TIMEOUT": "1"})
+    reader = StreamReader(srv)
+    reader.start()
+    assert reader.started.wait(30)
+    children = _descendants(srv)
+    assert children  # the model worker
+    t0 = time.monotonic()
+    assert srv.stop(signal.SIGTERM) == 0
+    reader.join(10)
+    assert not reader.is_alive()
+    # The stream ended with an error event, not a cut connection, within the bound.
+    assert reader.events[-1]["error"]["code"] == "shutting_down", reader.events[-1]
+    assert reader.ended_at - t0 < 5
+    assert _none_alive(children)
+    assert "stopped" in srv.log_text()
+
+
+def test_second_signal_shortens_the_drain(
+        tiny_model_path: Path, start_server: Callable[..., Server]) -> None:
+    srv = start_server(_models(tiny_model_path), env={**LONG, "GPUVISOR_SHUTDOWN_TIMEOUT": "60"})
+    reader = StreamReader(srv)
+    reader.start()
+    assert reader.started.wait(30)
+    assert srv.proc is not None
+    srv.proc.send_signal(signal.SIGTERM)
+    seen = len(reader.events)
+    deadline = time.monotonic() + 10
+    while len(reader.events) < seen + 20:  # still streaming: drain, not cut
+        assert time.monotonic() < deadline and reader.is_alive()
+        time.sleep(0.02)
+    t1 = time.monotonic()
+    srv.proc.send_signal(signal.SIGINT)
+    reader.join(15)
+    assert reader.events[-1]["error"]["code"] == "shutting_down"
+    assert srv.stop(timeout=15) == 0
+    assert time.monotonic() - t1 < 15
+
+
+def test_running_job_is_stopped_and_marked_interrupted(
+        tiny_model_path: Path, start_server: Callable[..., Server]) -> None:
+    srv = start_server(short_tempdir("gvm"))
+    url = srv.base_url
+    job = httpx.post(url + "/api/jobs", json={"kind": "sleep", "params": {"steps": 10000, "step_seconds": 0.05}}).json()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{url}/api/jobs/{job['id']}").json()["status"] != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    children = _descendants(srv)
+    assert children
+    assert srv.stop(signal.SIGTERM) == 0
+    assert _none_alive(children)
+    srv.start()
+    assert httpx.get(f"{srv.base_url}/api/jobs/{job['id']}").json()["status"] == "interrupted"
