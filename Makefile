@@ -2,11 +2,16 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TRAIN_STAMP := $(VENV)/.installed-train
 PYTHON ?= python3
+# Finetune jobs need torch. Installed first and pinned, so that nothing pulls
+# a multi-GB CUDA build on a CPU machine; on a GPU workstation pass e.g.
+# TORCH_SPEC='torch==2.13.0 --index-url <your CUDA wheel index>'.
+TORCH_SPEC ?= torch==2.13.0
 # llama-cpp-python compiles llama.cpp from source; use every core for it.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: serve test install bench clean
+.PHONY: serve test install install-train bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,12 +19,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# The train extra (torch, transformers, peft) for finetune jobs and their tests.
+$(TRAIN_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e '.[test,train]'
+	touch $(TRAIN_STAMP)
+
 install: $(STAMP)
+
+install-train: $(TRAIN_STAMP)
 
 serve: $(STAMP)
 	$(VENV)/bin/gpuvisor serve $(ARGS)
 
-test: $(STAMP)
+test: $(TRAIN_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)

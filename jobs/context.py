@@ -24,6 +24,8 @@ class JobContext(msgspec.Struct, kw_only=True):
     outputs_dir: str
     # Seconds between keepalive lines while a job is busy in one long step.
     keepalive_s: float = 5.0
+    # 1 for a job's first run; a resumed job runs again with the same id.
+    attempt: int = 1
 
 
 class JobError(Exception):

@@ -200,15 +200,23 @@ class KindSpec:
     module: str
     description: str
     grace_s: float = 30.0
+    # Saves a checkpoint when stopped with save (SIGUSR1) and can be resumed.
+    resumable: bool = False
 
 
 @functools.cache
 def job_kinds() -> Mapping[str, KindSpec]:
     # Imported here: download_params imports JobParams from this module.
     from jobs.download_params import DownloadParams
+    from jobs.finetune_params import ExportParams, FinetuneParams
 
     specs = [
         KindSpec("download", DownloadParams, "jobs.download", "download a model from the Hub"),
+        KindSpec(
+            "finetune", FinetuneParams, "jobs.finetune", "LoRA fine-tune a Hugging Face model",
+            grace_s=120.0, resumable=True,
+        ),
+        KindSpec("export", ExportParams, "jobs.export", "convert a Hugging Face model to GGUF"),
         KindSpec("dataset", DatasetParams, "jobs.dataset", "convert a dataset to chat JSONL"),
         KindSpec("quantize", QuantizeParams, "jobs.quantize", "quantize a GGUF model"),
         KindSpec("sleep", SleepParams, "jobs.sleep", "a cheap test job", grace_s=10.0),

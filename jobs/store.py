@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -420,6 +421,36 @@ class JobStore:
             else:
                 return job
         self._announce_end(job_id, stored)
+        return job
+
+    async def reopen(self, job_id: str) -> Job:
+        """Queue a stopped job again, as a new attempt of the same job.
+
+        For resumable kinds: an interrupted, cancelled or failed job keeps
+        its id, params, events and output dir, so the job process finds its
+        own checkpoints and the event stream (a loss curve) continues.
+        """
+        resumable = ("interrupted", "cancelled", "failed")
+        async with self.db.write() as conn:
+            try:
+                rows = await conn.execute_fetchall(
+                    "UPDATE jobs SET status = 'queued', stage = NULL, message = 'resume requested', "
+                    "result = NULL, error = NULL, exit_code = NULL, finished_at = NULL, "
+                    "cancel_requested_at = NULL, pid = NULL, pgid = NULL, proc_create_time = NULL "
+                    f"WHERE id = ? AND status IN ({','.join('?' * len(resumable))}) RETURNING *",
+                    (job_id, *resumable),
+                )
+            except sqlite3.IntegrityError:
+                raise Conflict(f"an identical job is already queued or running; not resuming {job_id}") from None
+            row = _first(rows)
+            if row is None:
+                job = await self.get(job_id)
+                raise Conflict(f"job {job_id} is {job.status}; only {', '.join(resumable)} jobs resume")
+            job = _job(row)
+            data = {"status": "queued", "resumed": True, "attempt": job.attempt + 1}
+            stored = await self._append(conn, job_id, [("status", data)], self.clock())
+        job.last_seq = stored[-1].seq
+        self.hub.publish(job_id, stored)
         return job
 
     async def delete(self, job_id: str) -> Job:

@@ -19,13 +19,20 @@ from urllib.parse import unquote
 
 import msgspec
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from jobs.formats import FILE_TYPES, TEMPLATES
 from jobs.hub import Subscription
 from jobs.params import ModelLookup, ResolveContext, Roots, validate_params
 from jobs.store import FINISHED, JobStore
 from supervisor.errors import BadRequest, PayloadTooLarge
-from supervisor.httputil import SseWriter, decode_body, json_response
+from supervisor.httputil import (
+    SseWriter,
+    decode_body,
+    decode_json,
+    json_response,
+    read_body,
+)
 from supervisor.lease import GpuLease
 from supervisor.runner import JobRunner
 
@@ -64,6 +71,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/api/jobs/{id}/events", job_events)
     app.router.add_get("/api/jobs/{id}/log", job_log)
     app.router.add_post("/api/jobs/{id}/cancel", cancel_job)
+    app.router.add_post("/api/jobs/{id}/resume", resume_job)
     app.router.add_delete("/api/jobs/{id}", delete_job)
     app.router.add_post("/api/datasets", upload_dataset)
     app.router.add_get("/api/dataset/templates", dataset_templates)
@@ -115,8 +123,31 @@ async def get_job(request: web.Request) -> web.Response:
     return json_response(job.to_api())
 
 
+class CancelBody(msgspec.Struct, forbid_unknown_fields=True):
+    # Resumable kinds (finetune): write a checkpoint before stopping.
+    save: bool = False
+
+
+def _cancel_save(request: web.Request, body: bytes) -> bool:
+    """``save`` from the query (``?save=true``) or a JSON body ``{"save": true}``."""
+    raw = request.query.get("save")
+    if raw is not None:
+        if raw.lower() not in ("true", "1", "false", "0"):
+            raise BadRequest("save must be true or false", param="save")
+        return raw.lower() in ("true", "1")
+    return decode_json(body, CancelBody).save if body.strip() else False
+
+
 async def cancel_job(request: web.Request) -> web.Response:
-    job = await request.app[JOB_RUNNER].cancel(request.match_info["id"])
+    save = _cancel_save(request, await read_body(request))
+    job = await request.app[JOB_RUNNER].cancel(request.match_info["id"], save=save)
+    return json_response(job.to_api())
+
+
+async def resume_job(request: web.Request) -> web.Response:
+    """A new attempt of an interrupted, cancelled or failed resumable job,
+    from its newest complete checkpoint (same job id, events continue)."""
+    job = await request.app[JOB_RUNNER].resume(request.match_info["id"])
     return json_response(job.to_api())
 
 
@@ -238,12 +269,13 @@ def _claim_name(tmp: Path, directory: Path, name: str) -> str:
 async def _file_part(request: web.Request) -> BodyPartReader:
     try:
         reader = await request.multipart()
-    except (AssertionError, ValueError, KeyError) as exc:
+        # Skipping other fields reads them: a malformed body fails here too.
+        while (part := await reader.next()) is not None:
+            if isinstance(part, BodyPartReader) and part.name == "file":
+                return part
+            await part.release()
+    except (AssertionError, ValueError, KeyError, BadHttpMessage) as exc:
         raise BadRequest(f"expected a multipart/form-data body: {exc}", param="file") from exc
-    while (part := await reader.next()) is not None:
-        if isinstance(part, BodyPartReader) and part.name == "file":
-            return part
-        await part.release()
     raise BadRequest("multipart field 'file' is missing", param="file")
 
 

@@ -6,8 +6,12 @@ it its params on stdin, stores its NDJSON events and decides its final status
 once its whole process group is gone; only then is the lease released.
 
 Stopping a job is always by signal to its group: SIGTERM (the job stops at
-its next step boundary), then SIGKILL after the kind's grace. The runner owns
-every task it starts: the scheduler, the pruner and one task per job.
+its next step boundary), then SIGKILL after the kind's grace. Resumable kinds
+(``KindSpec.resumable``) get SIGUSR1 instead when the stop should keep their
+work: cancel with save, and shutdown; they write a checkpoint, then stop.
+Resuming re-queues the same job (same id, events and output dir) as a new
+attempt. The runner owns every task it starts: the scheduler, the pruner and
+one task per job.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import jobs
 from jobs.context import JobContext
 from jobs.params import JobParams, KindSpec, Roots, kind_spec, params_dict
 from jobs.store import DEFAULT_RETENTION_S, Job, JobStore, Recovery, Status
-from supervisor.errors import ApiError
+from supervisor.errors import ApiError, BadRequest
 from supervisor.job_process import (
     EventFramer,
     describe_exit,
@@ -77,6 +81,8 @@ class _Active:
     stop_reason: StopReason | None = None
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
     pgid: int | None = None
+    # Stop with SIGUSR1 (save a checkpoint first) rather than SIGTERM.
+    save: bool = False
     terminal: tuple[str, dict[str, Any]] | None = None
     grace: float | None = None
     task: asyncio.Task[None] | None = None
@@ -122,7 +128,8 @@ class JobRunner:
         self._tasks = []
         active = list(self._active.values())
         for a in active:
-            self._request_stop(a, "shutdown", grace=self.settings.stop_timeout_s)
+            # Resumable jobs checkpoint on the way out, so resume loses little.
+            self._request_stop(a, "shutdown", grace=self.settings.stop_timeout_s, save=a.spec.resumable)
         pending = [a.task for a in active if a.task is not None]
         if pending:
             _, late = await asyncio.wait(pending, timeout=self.settings.stop_timeout_s + 5.0)
@@ -143,13 +150,27 @@ class JobRunner:
             self.wake()
         return job, created
 
-    async def cancel(self, job_id: str) -> Job:
-        """Queued: cancelled now. Running: SIGTERM, SIGKILL after the grace;
-        the job becomes ``cancelled`` once its process group is gone."""
+    async def cancel(self, job_id: str, save: bool = False) -> Job:
+        """Queued: cancelled now. Running: SIGTERM (SIGUSR1 with ``save``),
+        SIGKILL after the grace; the job becomes ``cancelled`` once its
+        process group is gone."""
+        if save:
+            job = await self.store.get(job_id)
+            if not kind_spec(job.kind).resumable:
+                raise BadRequest(f"{job.kind} jobs cannot save on cancel", param="save")
         job = await self.store.request_cancel(job_id)
         active = self._active.get(job_id)
         if job.status == "running" and active is not None:
-            self._request_stop(active, "cancel")
+            self._request_stop(active, "cancel", save=save)
+        return job
+
+    async def resume(self, job_id: str) -> Job:
+        """Queue a stopped job of a resumable kind again (a new attempt)."""
+        job = await self.store.get(job_id)
+        if not kind_spec(job.kind).resumable:
+            raise BadRequest(f"{job.kind} jobs cannot be resumed", param="id")
+        job = await self.store.reopen(job_id)
+        self.wake()
         return job
 
     def running(self) -> list[str]:
@@ -207,10 +228,16 @@ class JobRunner:
     def _grace(self, kind: str) -> float:
         return self.settings.grace_s.get(kind, kind_spec(kind).grace_s)
 
-    def _request_stop(self, active: _Active, reason: StopReason, grace: float | None = None) -> None:
+    def _request_stop(
+        self, active: _Active, reason: StopReason, grace: float | None = None, save: bool = False
+    ) -> None:
         """Record why the job must stop; signal it if it has a process yet."""
         if active.stop_reason is None:
             active.stop_reason = reason
+        if save and not active.save and active.killer is not None and active.pgid is not None:
+            # Already asked to stop without saving: ask again, with saving.
+            signal_group(active.pgid, signal.SIGUSR1)
+        active.save = active.save or save
         if grace is not None:
             active.grace = min(active.grace, grace) if active.grace is not None else grace
         active.stop_requested.set()
@@ -224,7 +251,7 @@ class JobRunner:
             return
         if active.killer is not None:
             return
-        signal_group(active.pgid, signal.SIGTERM)
+        signal_group(active.pgid, signal.SIGUSR1 if active.save else signal.SIGTERM)
         grace = self._grace(active.job.kind)
         delay = grace if active.grace is None else min(grace, active.grace)
         active.killer = asyncio.create_task(self._kill_after(active.pgid, delay))
@@ -309,6 +336,7 @@ class JobRunner:
             datasets_dir=str(r.datasets),
             outputs_dir=str(r.outputs),
             keepalive_s=self.settings.keepalive_s,
+            attempt=job.attempt,
         )
 
     async def _execute(self, active: _Active, devices: list[str]) -> None:

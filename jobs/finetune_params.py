@@ -1,0 +1,192 @@
+"""Parameters of ``finetune`` and ``export`` jobs, validated by the parent.
+
+Like :mod:`jobs.params` this module is imported by the parent, so it never
+imports torch, transformers or peft: whether the ``train`` extra is installed
+is checked with :func:`importlib.util.find_spec`, which imports nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from jobs.params import (
+    JobParams,
+    QuantType,
+    ResolveContext,
+    check_name,
+    existing_file,
+    resolve_path,
+)
+from supervisor.errors import BadRequest
+
+TRAIN_MODULES = ("torch", "transformers", "peft", "safetensors")
+TRAIN_INSTALL_HINT = (
+    "install the train extra: pip install torch==2.13.0 (or the CUDA build you want), "
+    "then pip install 'gpuvisor[train]'"
+)
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,99}$")
+
+PosInt = Annotated[int, msgspec.Meta(ge=1, le=10_000_000)]
+OutType = Literal["F32", "F16"]
+
+
+def missing_train_modules() -> list[str]:
+    return [m for m in TRAIN_MODULES if importlib.util.find_spec(m) is None]
+
+
+def resolve_hf_model(value: str, ctx: ResolveContext, param: str) -> str:
+    """A Hugging Face model dir inside the roots, or a repo id that the job
+    looks up in the HF cache (``owner/name``, when no such dir exists)."""
+    path = resolve_path(value, ctx.roots.models, ctx.roots, param)
+    if (path / "config.json").is_file():
+        return str(path)
+    if _REPO_ID.fullmatch(value) and ".." not in value and not path.exists():
+        return value
+    raise BadRequest(
+        f"{param}: {value!r} is not a Hugging Face model dir (a folder with config.json) "
+        "in the models dir, nor an owner/name repo id",
+        param=param, code="model_not_found",
+    )
+
+
+def check_output_dir(name: str | None, ctx: ResolveContext, overwrite: bool, param: str) -> str | None:
+    if name is None:
+        return None
+    check_name(name, param)
+    if (ctx.roots.outputs / name).exists() and not overwrite:
+        raise BadRequest(
+            f"{name} already exists in the outputs dir; set overwrite to replace it",
+            param=param, code="output_exists",
+        )
+    return name
+
+
+def check_gguf_name(name: str, ctx: ResolveContext, overwrite: bool, param: str) -> str:
+    name = name if name.endswith(".gguf") else f"{name}.gguf"
+    check_name(name, param)
+    if (ctx.roots.models / name).exists() and not overwrite:
+        raise BadRequest(
+            f"{name} already exists in the models dir; set overwrite to replace it",
+            param=param, code="output_exists",
+        )
+    return name
+
+
+class ExportOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The GGUF export step: shared by ``export`` jobs and ``finetune.export``."""
+
+    outtype: OutType = "F16"
+    # Quantize the converted model too (llama.cpp's quantizer, as the quantize job).
+    quantize: QuantType | None = None
+    # GGUF file name in the models dir; derived from the model dir when unset.
+    output_name: str | None = None
+    # With quantize: also keep the F16/F32 file in the models dir.
+    keep_unquantized: bool = False
+    overwrite: bool = False
+
+    def names(self, stem: str) -> tuple[str, str | None]:
+        """(converted file name, quantized file name or None)."""
+        base = (self.output_name or stem).removesuffix(".gguf")
+        if self.quantize is None:
+            return f"{base}.gguf", None
+        return f"{base}-{self.outtype}.gguf", f"{base}-{self.quantize}.gguf"
+
+    def check(self, stem: str, ctx: ResolveContext, param: str) -> None:
+        converted, quantized = self.names(stem)
+        if quantized is None or self.keep_unquantized:
+            check_gguf_name(converted, ctx, self.overwrite, f"{param}.output_name")
+        if quantized is not None:
+            check_gguf_name(quantized, ctx, self.overwrite, f"{param}.output_name")
+
+
+class ExportParams(JobParams, ExportOptions):
+    """Convert a Hugging Face model dir (Llama family) to GGUF in the models dir."""
+
+    model: str
+
+    def resolve(self, ctx: ResolveContext) -> None:
+        self.model = resolve_hf_model(self.model, ctx, "params.model")
+        if self.output_name is None and not Path(self.model).is_absolute():
+            self.output_name = self.model.split("/")[-1]
+        self.check(Path(self.model).name, ctx, "params")
+
+    def devices(self, available: Sequence[str]) -> list[str]:
+        # Converting is plain CPU and disk; quantizing holds the device like
+        # the quantize job does.
+        return list(available[:1]) if self.quantize is not None else []
+
+
+class FinetuneParams(JobParams):
+    """LoRA supervised fine-tuning; defaults follow the well-known tools."""
+
+    model: str
+    train: str
+    eval: str | None = None
+    output_name: str | None = None
+    overwrite: bool = False
+    lora_r: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
+    lora_alpha: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 16
+    lora_dropout: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
+    target_modules: Annotated[list[str], msgspec.Meta(min_length=1, max_length=64)] = msgspec.field(
+        default_factory=lambda: list(DEFAULT_TARGETS)
+    )
+    learning_rate: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 2e-4
+    lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
+    warmup_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=0.5)] = 0.03
+    weight_decay: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    max_grad_norm: Annotated[float, msgspec.Meta(ge=0.0, le=1000.0)] = 1.0
+    epochs: Annotated[float, msgspec.Meta(gt=0.0, le=1000.0)] = 1.0
+    # Set: train exactly this many optimizer steps, whatever ``epochs`` says.
+    max_steps: PosInt | None = None
+    batch_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 2
+    gradient_accumulation_steps: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 4
+    max_seq_len: Annotated[int, msgspec.Meta(ge=8, le=1_048_576)] = 2048
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] = 42
+    save_steps: PosInt = 100
+    save_total_limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 2
+    # Evaluate on ``eval`` every N steps (and at the end); unset: at the end only.
+    eval_steps: PosInt | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    merge: bool = True
+    export: ExportOptions | None = None
+
+    def resolve(self, ctx: ResolveContext) -> None:
+        missing = missing_train_modules()
+        if missing:
+            raise BadRequest(
+                f"finetune jobs need {', '.join(missing)}, which are not installed: {TRAIN_INSTALL_HINT}",
+                param="kind", code="train_extra_missing",
+            )
+        self.model = resolve_hf_model(self.model, ctx, "params.model")
+        self.train = str(existing_file(self.train, ctx.roots.datasets, ctx.roots, "params.train"))
+        if self.eval is not None:
+            self.eval = str(existing_file(self.eval, ctx.roots.datasets, ctx.roots, "params.eval"))
+        self.output_name = check_output_dir(self.output_name, ctx, self.overwrite, "params.output_name")
+        self._check_fields(ctx)
+
+    def _check_fields(self, ctx: ResolveContext) -> None:
+        for name in self.target_modules:
+            if not _MODULE.fullmatch(name):
+                raise BadRequest(f"target_modules: {name!r} is not a module name", param="params.target_modules")
+        if self.eval_steps is not None and self.eval is None:
+            raise BadRequest("eval_steps needs an eval dataset", param="params.eval_steps")
+        if self.export is not None and not self.merge:
+            raise BadRequest("export needs merge (the merged model is what is exported)", param="params.export")
+        if self.export is not None:
+            stem = self.output_name or Path(self.model).name + "-finetune"
+            if self.export.output_name is None:
+                # Pin the default now: the job id is unknown here and the name
+                # must be checked against the models dir at submit time.
+                self.export.output_name = stem
+            self.export.check(stem, ctx, "params.export")
+
+    def devices(self, available: Sequence[str]) -> list[str]:
+        return list(available[:1])

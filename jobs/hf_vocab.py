@@ -1,0 +1,207 @@
+"""The tokenizer of a Hugging Face model dir, as GGUF vocabulary metadata.
+
+Two tokenizer families of the Llama family are understood:
+
+- SentencePiece (``tokenizer.model``; Llama 2, Mistral): GGUF model
+  ``llama``, pieces with their scores and types (needs ``sentencepiece``).
+- byte-level BPE (``tokenizer.json``; Llama 3, Qwen2, GPT-2 style): GGUF
+  model ``gpt2``, byte-level token strings, merges, and the pre-tokenizer
+  name llama.cpp knows for the split regex.
+
+Special token ids, the add-BOS/EOS flags, merges and the chat template come
+from gguf's own ``SpecialVocab`` reader, as in llama.cpp's converter. Anything
+else is refused with an error that names what was found.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+from jobs.context import JobError
+
+T = gguf.TokenType
+
+# The split regexes of the byte-level BPE tokenizers llama.cpp implements,
+# keyed by its pre-tokenizer name.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2"}
+
+
+@dataclass
+class Vocab:
+    model: str  # GGUF tokenizer model: "llama" (SentencePiece) or "gpt2" (byte-level BPE)
+    tokens: list[str]
+    types: list[int]
+    scores: list[float] | None = None
+    pre: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def pad_to(self, n_vocab: int) -> None:
+        """Models often have more embedding rows than tokenizer entries."""
+        if len(self.tokens) > n_vocab:
+            raise JobError(
+                f"the tokenizer has {len(self.tokens)} tokens but the model only {n_vocab} embeddings"
+            )
+        extra = n_vocab - len(self.tokens)
+        if extra:
+            self.notes.append(f"padded the vocabulary with {extra} unused tokens")
+        for i in range(len(self.tokens), n_vocab):
+            self.tokens.append(f"[PAD{i}]")
+            self.types.append(int(T.UNUSED))
+            if self.scores is not None:
+                self.scores.append(-1000.0)
+
+    def add_to(self, writer: gguf.GGUFWriter, model_dir: Path) -> None:
+        writer.add_tokenizer_model(self.model)
+        if self.pre is not None:
+            writer.add_tokenizer_pre(self.pre)
+        writer.add_token_list(self.tokens)
+        writer.add_token_types(self.types)
+        if self.scores is not None:
+            writer.add_token_scores(self.scores)
+        special = gguf.SpecialVocab(model_dir, load_merges=self.model == "gpt2", n_vocab=len(self.tokens))
+        if self.model == "gpt2" and not special.merges:
+            raise JobError("the BPE tokenizer has no merges; cannot convert it")
+        special.add_to_gguf(writer, quiet=True)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise JobError(f"cannot read {path.name}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise JobError(f"{path.name} is not a JSON object")
+    return data
+
+
+def _added_tokens(model_dir: Path) -> dict[int, tuple[str, bool]]:
+    """Added tokens by id: (content, special), from every place HF keeps them."""
+    out: dict[int, tuple[str, bool]] = {}
+    if (model_dir / "tokenizer.json").is_file():
+        for tok in _read_json(model_dir / "tokenizer.json").get("added_tokens", []):
+            out[int(tok["id"])] = (str(tok["content"]), bool(tok.get("special", False)))
+    if (model_dir / "tokenizer_config.json").is_file():
+        decoder = _read_json(model_dir / "tokenizer_config.json").get("added_tokens_decoder", {})
+        for tid, tok in decoder.items():
+            out[int(tid)] = (str(tok["content"]), bool(tok.get("special", False)))
+    if (model_dir / "added_tokens.json").is_file():
+        for content, tid in _read_json(model_dir / "added_tokens.json").items():
+            out.setdefault(int(tid), (str(content), False))
+    return out
+
+
+def _sentencepiece(model_dir: Path) -> Vocab:
+    try:
+        import sentencepiece as spm
+    except ImportError as exc:
+        raise JobError("this model uses a SentencePiece tokenizer: install sentencepiece") from exc
+    proc = spm.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
+    tokens, scores, types = [], [], []
+    for i in range(proc.vocab_size()):
+        tokens.append(proc.id_to_piece(i))
+        scores.append(float(proc.get_score(i)))
+        types.append(int(_spm_type(proc, i)))
+    for tid, (content, special) in _added_tokens(model_dir).items():
+        kind = int(T.CONTROL if special else T.USER_DEFINED)
+        if tid < len(tokens):
+            tokens[tid], types[tid] = content, kind
+            continue
+        if tid != len(tokens):
+            raise JobError(f"added token {content!r} has id {tid}, leaving a gap in the vocabulary")
+        tokens.append(content)
+        scores.append(-1000.0)
+        types.append(kind)
+    return Vocab("llama", tokens, types, scores)
+
+
+def _spm_type(proc: Any, i: int) -> gguf.TokenType:
+    if proc.is_unknown(i):
+        return T.UNKNOWN
+    if proc.is_control(i):
+        return T.CONTROL
+    if proc.is_unused(i):
+        return T.UNUSED
+    if proc.is_byte(i):
+        return T.BYTE
+    return T.NORMAL
+
+
+def _split_patterns(pre: Any) -> tuple[list[str], bool]:
+    """(regexes of Split steps, whether a ByteLevel step is present)."""
+    if not isinstance(pre, dict):
+        return [], False
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    patterns, byte_level = [], False
+    for step in steps:
+        if step.get("type") == "ByteLevel":
+            byte_level = True
+            if step.get("use_regex", True):
+                patterns.append("gpt-2")
+        elif step.get("type") == "Split":
+            pattern = step.get("pattern", {})
+            patterns.append(str(pattern.get("Regex", pattern.get("String", ""))))
+    return patterns, byte_level
+
+
+def _pre_name(pre: Any) -> str:
+    patterns, byte_level = _split_patterns(pre)
+    if not byte_level:
+        raise JobError("the BPE tokenizer is not byte-level; only byte-level BPE converts to GGUF here")
+    if patterns == ["gpt-2"]:
+        return "gpt-2"
+    for pattern in patterns:
+        if pattern in PRE_TOKENIZERS:
+            return PRE_TOKENIZERS[pattern]
+    raise JobError(
+        f"unknown BPE pre-tokenizer (split regex {patterns[:1]}); known: gpt-2, "
+        f"{', '.join(PRE_TOKENIZERS.values())}"
+    )
+
+
+def _byte_level_bpe(model_dir: Path) -> Vocab:
+    data = _read_json(model_dir / "tokenizer.json")
+    model = data.get("model", {})
+    if model.get("type") != "BPE":
+        raise JobError(f"tokenizer model {model.get('type')!r} is not supported (BPE or SentencePiece)")
+    pre = _pre_name(data.get("pre_tokenizer"))
+    by_id = {int(i): str(t) for t, i in model.get("vocab", {}).items()}
+    added = _added_tokens(model_dir)
+    size = max([*by_id, *added, -1]) + 1
+    tokens, types = [], []
+    for i in range(size):
+        if i in added:
+            content, special = added[i]
+            tokens.append(content)
+            types.append(int(T.CONTROL if special else T.USER_DEFINED))
+        elif i in by_id:
+            tokens.append(by_id[i])
+            types.append(int(T.NORMAL))
+        else:
+            tokens.append(f"[PAD{i}]")
+            types.append(int(T.UNUSED))
+    return Vocab("gpt2", tokens, types, pre=pre)
+
+
+def load_vocab(model_dir: Path, n_vocab: int) -> Vocab:
+    """The GGUF vocabulary of ``model_dir``, padded to the model's ``n_vocab``."""
+    if (model_dir / "tokenizer.model").is_file():
+        vocab = _sentencepiece(model_dir)
+    elif (model_dir / "tokenizer.json").is_file():
+        vocab = _byte_level_bpe(model_dir)
+    else:
+        raise JobError("the model dir has no tokenizer (tokenizer.model or tokenizer.json)")
+    vocab.pad_to(n_vocab)
+    return vocab
