@@ -76,6 +76,10 @@ class Engine:
             kwargs.update(type_k=ggml_type, type_v=ggml_type, flash_attn=True)
         if opts.draft_ngram > 0:
             kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=opts.draft_ngram)
+            # Drafting verifies with every position's logits; llama-cpp-python
+            # sizes its logits buffer from this flag (n_ctx x n_vocab floats),
+            # not from the draft model, so it must be set explicitly.
+            kwargs["logits_all"] = True
         try:
             self.llm = llama_cpp.Llama(**kwargs)
         except (ValueError, RuntimeError, OSError) as exc:
