@@ -71,12 +71,17 @@ def bench_inprocess(model: Path, n: int, runs: int) -> list[Run]:
     return out
 
 
+# One client for every request: a new httpx client builds an SSL context
+# (tens of ms) that would otherwise be counted as time to first token.
+_HTTP = httpx.Client(timeout=300)
+
+
 def stream_sse(url: str, body: dict[str, Any], token_count_from_usage: bool) -> Run:
     t0 = time.perf_counter()
     ttft = 0.0
     chunks = 0
     tokens = 0
-    with httpx.stream("POST", url, json=body, timeout=300) as resp:
+    with _HTTP.stream("POST", url, json=body) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -132,6 +137,7 @@ def main() -> int:
     # llama_cpp.server slows down quadratically with output length (minutes
     # per 1,000-token run on a small machine): one run is enough to compare.
     ap.add_argument("--peer-runs", type=int, default=1)
+    ap.add_argument("--no-peer", action="store_true", help="skip (c), which takes minutes")
     args = ap.parse_args()
     n = args.tokens
     work = Path(tempfile.mkdtemp(prefix="gvbench"))
@@ -169,7 +175,9 @@ def main() -> int:
     finally:
         srv.cleanup()
 
-    if importlib.util.find_spec("sse_starlette") and importlib.util.find_spec("fastapi"):
+    if args.no_peer:
+        print("  (c) skipped (--no-peer)")
+    elif importlib.util.find_spec("sse_starlette") and importlib.util.find_spec("fastapi"):
         proc, base = start_llama_cpp_server(model)
         try:
             # Ban every end-of-generation token so all three produce n tokens.

@@ -36,15 +36,24 @@ def watch_stdin() -> None:
 
 
 class Outbox:
-    """Thread-safe queue of outgoing messages, flushed on the event loop."""
+    """Thread-safe queue of outgoing messages, flushed on the event loop.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, writer: asyncio.StreamWriter) -> None:
+    Deltas are flushed at most once per ``coalesce_s``: at thousands of
+    tokens per second, one frame (and one loop wake-up, one SSE chunk in the
+    parent) per token costs more CPU than the tokens themselves. The first
+    delta after a pause and every terminal message go out at once.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, writer: asyncio.StreamWriter,
+                 coalesce_s: float = 0.002) -> None:
         self._loop = loop
         self._writer = writer
         self._codec = p.worker_codec()
         self._lock = threading.Lock()
         self._pending: list[msgspec.Struct] = []
         self._scheduled = False
+        self._coalesce_s = coalesce_s
+        self._last_flush = 0.0
 
     def put(self, msg: msgspec.Struct) -> None:
         with self._lock:
@@ -56,17 +65,27 @@ class Outbox:
             if self._scheduled:
                 return
             self._scheduled = True
-        self._loop.call_soon_threadsafe(self._flush)
+        self._loop.call_soon_threadsafe(self._arm)
 
     def send(self, msg: msgspec.Struct) -> None:
         """Send from the loop thread, after anything already queued."""
         self.put(msg)
 
+    def _arm(self) -> None:
+        with self._lock:
+            only_deltas = all(isinstance(m, p.Delta) for m in self._pending)
+        wait = self._last_flush + self._coalesce_s - self._loop.time()
+        if only_deltas and wait > 0:
+            self._loop.call_later(wait, self._flush)
+        else:
+            self._flush()
+
     def _flush(self) -> None:
         with self._lock:
             batch, self._pending = self._pending, []
             self._scheduled = False
-        if not self._writer.is_closing():
+        self._last_flush = self._loop.time()
+        if batch and not self._writer.is_closing():
             self._writer.write(b"".join(self._codec.encode(m) for m in batch))
 
 
