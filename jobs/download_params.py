@@ -37,7 +37,9 @@ class DownloadParams(JobParams):
     def __post_init__(self) -> None:
         if not _REPO_ID.fullmatch(self.repo_id) or ".." in self.repo_id:
             raise ValueError(f"invalid repo_id {self.repo_id!r} (expected owner/name)")
-        if not _REVISION.fullmatch(self.revision) or ".." in self.revision:
+        # huggingface_hub joins the revision into a cache path (refs/<revision>):
+        # a leading "/" would make that path absolute.
+        if not _REVISION.fullmatch(self.revision) or ".." in self.revision or self.revision.startswith("/"):
             raise ValueError(f"invalid revision {self.revision!r}")
         if self.quant is not None and not _QUANT.fullmatch(self.quant):
             raise ValueError(f"invalid quant {self.quant!r} (expected a name such as Q4_K_M)")

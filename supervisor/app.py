@@ -20,7 +20,7 @@ from aiohttp import web
 from jobs.params import Roots
 from jobs.store import JOBS_SCHEMA, JobStore
 from supervisor import responses, routes_jobs, routes_models, routes_openai, routes_web
-from supervisor import auth, logs, metrics, proxies, shutdown
+from supervisor import auth, logs, metrics, openapi, proxies, shutdown
 from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
@@ -52,12 +52,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        err: ApiError = NotFound(f"no route for {request.method} {request.path}")
+        routed: ApiError = NotFound(f"no route for {request.method} {request.path}")
         if exc.status != 404:
-            err = BadRequest(exc.reason)
-            err.status = exc.status
-            err.code = exc.reason.lower().replace(" ", "_")
-        return error_response(err)
+            routed = BadRequest(exc.reason)
+            routed.status = exc.status
+            routed.code = exc.reason.lower().replace(" ", "_")
+        return error_response(routed)
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(ApiError("internal server error"))
@@ -210,4 +210,5 @@ def build_app(cfg: Config) -> web.Application:
     routes_jobs.add_routes(app)
     routes_models.add_routes(app)
     routes_web.add_routes(app)
+    openapi.add_routes(app)
     return app

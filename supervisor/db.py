@@ -10,11 +10,14 @@ and migrations only ever append.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiosqlite
+
+from supervisor.errors import StorageFull
 
 
 class Database:
@@ -67,16 +70,28 @@ class Database:
 
     @asynccontextmanager
     async def write(self) -> AsyncIterator[aiosqlite.Connection]:
-        """One short write transaction; rolls back if the body raises."""
+        """One short write transaction; rolls back if the body raises.
+
+        A full disk is :class:`StorageFull` (507), and the transaction is
+        rolled back even when COMMIT itself failed: SQLite may leave it open,
+        and every later BEGIN would then fail.
+        """
         async with self._write_lock:
             conn = self.conn
-            await conn.execute("BEGIN IMMEDIATE")
             try:
-                yield conn
-            except BaseException:
-                await conn.execute("ROLLBACK")
+                await conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                except BaseException:
+                    await conn.execute("ROLLBACK")
+                    raise
+                await conn.execute("COMMIT")
+            except sqlite3.OperationalError as exc:
+                if conn.in_transaction:
+                    await conn.execute("ROLLBACK")
+                if exc.sqlite_errorcode == sqlite3.SQLITE_FULL:
+                    raise StorageFull("the disk holding the database is full; nothing was saved") from exc
                 raise
-            await conn.execute("COMMIT")
 
     async def integrity_ok(self) -> bool:
         async with self.conn.execute("PRAGMA integrity_check") as cur:

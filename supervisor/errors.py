@@ -93,6 +93,14 @@ class UpstreamError(ApiError):
     code = "worker_error"
 
 
+class StorageFull(ApiError):
+    """The disk under the database is full (507): nothing was written."""
+
+    status = 507
+    type = "server_error"
+    code = "storage_full"
+
+
 class Unavailable(ApiError):
     """Temporarily refused (503); always carries Retry-After."""
 

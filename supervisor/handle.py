@@ -208,14 +208,14 @@ class WorkerHandle:
             if code == EXIT_LOAD_FAILED or self.state is WorkerState.FAILED:
                 self._fail_permanently(self.reason or "the model cannot be loaded")
                 return
-            self._record_crash(code)
-            if self.state is WorkerState.FAILED:
+            if self._record_crash(code):
                 return
             if await self._backoff():
                 break
         self._set_state(WorkerState.STOPPED)
 
-    def _record_crash(self, code: int | None) -> None:
+    def _record_crash(self, code: int | None) -> bool:
+        """Count a crash; True when it was one too many (state FAILED)."""
         now = self.clock()
         self.crash_times.append(now)
         while self.crash_times and now - self.crash_times[0] > self.timing.crash_window:
@@ -225,10 +225,12 @@ class WorkerHandle:
         self._set_state(WorkerState.CRASHED)
         if self.inflight is not None:
             self._end(self.inflight, WorkerGone("worker_crashed", f"the model worker crashed ({self.reason})"))
-        if len(self.crash_times) >= self.timing.crash_limit:
-            self._fail_permanently(
-                f"{len(self.crash_times)} crashes within {self.timing.crash_window:.0f}s; "
-                f"last: {self.reason}")
+        if len(self.crash_times) < self.timing.crash_limit:
+            return False
+        self._fail_permanently(
+            f"{len(self.crash_times)} crashes within {self.timing.crash_window:.0f}s; "
+            f"last: {self.reason}")
+        return True
 
     def _fail_permanently(self, reason: str) -> None:
         self.reason = reason
@@ -492,9 +494,17 @@ class WorkerHandle:
         if self.state not in (WorkerState.READY, WorkerState.DRAINING):
             return
         pend = self.queue.popleft()
+        try:
+            frame = self._codec.encode(pend.msg)
+        except (OverflowError, p.FrameTooLarge) as exc:
+            # Not sendable (an int beyond 64 bits, a frame over the limit):
+            # answer this request alone, never hold the worker's slot for it.
+            self._end(pend, p.Error(pend.id, "invalid_request", f"the request cannot be sent to the worker: {exc}"))
+            return
         pend.sent = True
         self.inflight = pend
-        self._send(pend.msg)
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(frame)
 
     def _send(self, msg: msgspec.Struct) -> None:
         if self._writer is not None and not self._writer.is_closing():

@@ -45,6 +45,9 @@ def decode_json(body: bytes, type_: type[T]) -> T:
         raise BadRequest(f"invalid request: {exc}", param=validation_param(exc)) from exc
     except msgspec.DecodeError as exc:
         raise BadRequest(f"malformed JSON: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:
+        # msgspec's guard against deeply nested input (stack exhaustion).
+        raise BadRequest("JSON nested too deeply", code="invalid_json") from exc
 
 
 async def decode_body(request: web.Request, type_: type[T]) -> T:

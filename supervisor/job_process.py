@@ -76,7 +76,8 @@ class EventFramer:
             return
         try:
             event = _decoder.decode(line)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            # RecursionError: msgspec's guard against deeply nested input.
             text = line[:300].decode(errors="replace")
             out.events.append(
                 ("log", {"message": f"malformed event line ({exc}): {text}", "level": "warning"})

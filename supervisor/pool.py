@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,7 +42,7 @@ from worker import protocol as p
 log = logging.getLogger("gpuvisor.pool")
 
 # Worker error codes that are the client's fault.
-_CLIENT_ERRORS = {"context_length_exceeded", "template_error", "invalid_grammar"}
+_CLIENT_ERRORS = {"context_length_exceeded", "template_error", "invalid_grammar", "invalid_request"}
 
 
 Admission = Callable[[str], str | None]
@@ -295,7 +295,7 @@ class WorkerPool:
         template_vars: dict[str, Any] | None = None,
         request_id: str = "",
         keep_alive: float | None = None,
-    ) -> AsyncIterator[p.Delta | p.Done]:
+    ) -> AsyncGenerator[p.Delta | p.Done, None]:
         """Stream one completion; leaving the iteration early cancels it.
 
         ``keep_alive`` (seconds; 0 = unload after this request, negative =

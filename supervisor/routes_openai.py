@@ -6,7 +6,7 @@ import base64
 import secrets
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -73,7 +73,7 @@ class _Shape:
         return body
 
 
-async def _collect(stream: AsyncIterator[Delta | Done]) -> tuple[str, Done]:
+async def _collect(stream: AsyncGenerator[Delta | Done, None]) -> tuple[str, Done]:
     parts: list[str] = []
     async with aclosing(stream) as events:
         async for ev in events:
@@ -84,7 +84,7 @@ async def _collect(stream: AsyncIterator[Delta | Done]) -> tuple[str, Done]:
     raise RuntimeError("generation ended without a Done event")
 
 
-async def _stream(request: web.Request, shape: _Shape, stream: AsyncIterator[Delta | Done],
+async def _stream(request: web.Request, shape: _Shape, stream: AsyncGenerator[Delta | Done, None],
                   include_usage: bool) -> web.StreamResponse:
     async with aclosing(stream) as events:
         # Pull the first event before committing to a 200: queue-full, unknown

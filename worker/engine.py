@@ -21,6 +21,7 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 from worker.chat_template import ChatRenderer, TemplateError
 from worker.detok import Detokenizer
+from worker.grammar_guard import check_grammar, schema_to_grammar
 from worker.protocol import Delta, Done, Error, Generate, ModelFacts, SamplingParams
 
 Emit = Callable[[Delta | Done | Error], None]
@@ -129,10 +130,11 @@ class Engine:
         return req.prompt or "", []
 
     def _grammar(self, params: SamplingParams) -> LlamaGrammar | None:
+        # Bounded first: a too deep grammar crashes llama.cpp's parser.
         if params.grammar:
-            return LlamaGrammar.from_string(params.grammar, verbose=False)
+            return LlamaGrammar.from_string(check_grammar(params.grammar), verbose=False)
         if params.json_schema:
-            return LlamaGrammar.from_json_schema(params.json_schema, verbose=False)
+            return LlamaGrammar.from_string(schema_to_grammar(params.json_schema), verbose=False)
         if params.json_object:
             return LlamaGrammar.from_string(JSON_GBNF, verbose=False)
         return None
@@ -152,7 +154,7 @@ class Engine:
         if common < llm.n_tokens:
             if not llm._ctx.kv_cache_seq_rm(-1, common, -1):
                 common = 0
-                llm.reset()
+                llm.reset()  # type: ignore[no-untyped-call]
             llm.n_tokens = common
         cached = common
         todo = tokens[common:-1]
@@ -248,4 +250,4 @@ class Engine:
 
     def embed(self, inputs: list[str]) -> tuple[list[list[float]], int]:
         vectors, count = self.llm.embed(inputs, normalize=True, return_count=True)
-        return [list(map(float, v)) for v in vectors], int(count)  # type: ignore[arg-type]
+        return [list(map(float, v)) for v in vectors], int(count)

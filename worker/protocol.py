@@ -218,6 +218,9 @@ class Codec:
             return self._dec.decode(body)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise InvalidMessage(str(exc)) from exc
+        except RecursionError as exc:
+            # msgspec's guard against deeply nested input.
+            raise InvalidMessage("message nested too deeply") from exc
 
 
 def parent_codec() -> Codec:

@@ -1,0 +1,82 @@
+"""Bounds on client-supplied JSON schemas and the grammars built from them.
+
+llama-cpp-python expands a schema's counts into the grammar text
+(``maxLength: 1000`` becomes 1,000 nested groups), and llama.cpp parses
+grammars recursively: a count of about 1,200 overflows the worker's stack
+(SIGSEGV), and a count of 10**9 exhausts its memory before parsing starts. A
+client request must never crash a worker, so both are refused up front as
+bad requests (:class:`GrammarRejected`, a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+# Half the nesting measured to crash, for headroom on other stacks.
+MAX_GRAMMAR_DEPTH = 512
+# Counts the converter writes out one copy per unit.
+MAX_SCHEMA_COUNT = 10_000
+_COUNT_KEYS = frozenset({"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"})
+_PATTERN_COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+# Quoted literals and character classes may hold parentheses that are text.
+_GBNF_TEXT = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*')
+
+
+class GrammarRejected(ValueError):
+    pass
+
+
+def grammar_depth(gbnf: str) -> int:
+    """The deepest nesting of parentheses in a GBNF grammar."""
+    depth = deepest = 0
+    for ch in _GBNF_TEXT.sub("", gbnf):
+        if ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth -= 1
+    return deepest
+
+
+def check_grammar(gbnf: str) -> str:
+    depth = grammar_depth(gbnf)
+    if depth > MAX_GRAMMAR_DEPTH:
+        raise GrammarRejected(
+            f"the output grammar nests {depth} levels deep (limit {MAX_GRAMMAR_DEPTH}); "
+            "lower maxLength / maxItems or the repetition counts in patterns")
+    return gbnf
+
+
+def _check_counts(node: Any, path: str) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            where = f"{path}.{key}"
+            if key in _COUNT_KEYS and isinstance(value, int) and value > MAX_SCHEMA_COUNT:
+                raise GrammarRejected(f"{where} = {value} is over the limit of {MAX_SCHEMA_COUNT}")
+            if key == "pattern" and isinstance(value, str):
+                for low, high in _PATTERN_COUNT.findall(value):
+                    if max(int(low), int(high or 0)) > MAX_SCHEMA_COUNT:
+                        raise GrammarRejected(f"{where} repeats more than {MAX_SCHEMA_COUNT} times")
+            _check_counts(value, where)
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            _check_counts(item, f"{path}[{i}]")
+
+
+def schema_to_grammar(schema_json: str) -> str:
+    """GBNF for a JSON schema, or GrammarRejected saying what is wrong."""
+    try:
+        schema = json.loads(schema_json)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise GrammarRejected(f"the JSON schema is not valid JSON: {exc}") from exc
+    _check_counts(schema, "schema")
+    try:
+        gbnf = json_schema_to_gbnf(schema_json)
+    except (AssertionError, AttributeError, KeyError, TypeError, RecursionError) as exc:
+        # The converter reports schemas it cannot handle with these.
+        raise GrammarRejected(f"unsupported JSON schema: {type(exc).__name__}: {exc}") from exc
+    return check_grammar(gbnf)
