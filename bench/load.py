@@ -330,11 +330,22 @@ def summarize(n: int, samples: list[Sample], seconds: float,
     )
 
 
+async def settled_fds(parent: psutil.Process, baseline: int, timeout: float = 10.0) -> int:
+    """Open fds once they stop exceeding the baseline (or after ``timeout``)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (fds := parent.num_fds()) > baseline and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.1)
+    return fds
+
+
 async def run_load(base: str, model: str, parent: psutil.Process, clients: int, duration: float,
                    rounds: int) -> LoadReport:
     report = LoadReport(clients, duration, round(parent.memory_info().rss / 2**20, 1), parent.num_fds())
     for n in range(1, rounds + 1):
         result = await one_round(n, base, model, clients, duration, parent)
+        # The server closes its side of the clients' connections and reaps
+        # cancelled jobs on its own time: count fds once that has settled.
+        result.open_fds = await settled_fds(parent, report.fds_before)
         report.rounds.append(result)
         print_round(result)
     return report

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from jobs.context import JobContext, JobError, JobStopped
 from jobs.events import JobIO
 from jobs.export import export_model, resolve_model_dir
-from jobs.finetune_ckpt import newest_checkpoint
+from jobs.finetune_ckpt import newest_checkpoint, write_dir_atomically
 from jobs.finetune_data import CHATML, encode_all, read_chat_jsonl
 from jobs.finetune_loop import StepStats, Trainer
 from jobs.finetune_params import FinetuneParams
@@ -137,20 +137,6 @@ def _train(io: JobIO, trainer: Trainer, hooks: JobHooks, params: FinetuneParams)
         ) from exc
 
 
-def _save_dir(target: Path, write: Any) -> Path:
-    """Write a directory through ``write(tmp)``, then rename it into place."""
-    tmp = target.with_name(f".{target.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        write(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
 def _save_outputs(
     io: JobIO, trainer: Trainer, tokenizer: Any, params: FinetuneParams, out: Path
 ) -> dict[str, str]:
@@ -161,7 +147,7 @@ def _save_outputs(
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
 
-    paths = {"adapter_path": str(_save_dir(out / "adapter", write_adapter))}
+    paths = {"adapter_path": str(write_dir_atomically(out / "adapter", write_adapter))}
     if params.merge:
         io.stage("merging")
         merged = model.merge_and_unload()
@@ -173,7 +159,7 @@ def _save_outputs(
             merged.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
 
-        paths["merged_path"] = str(_save_dir(out / "merged", write_merged))
+        paths["merged_path"] = str(write_dir_atomically(out / "merged", write_merged))
     return paths
 
 

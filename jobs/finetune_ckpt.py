@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,27 +49,37 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
+def write_dir_atomically(target: Path, write: Callable[[Path], None]) -> Path:
+    """Fill a temp dir through ``write(tmp)``, fsync it, then rename it into
+    place: a reader never sees a half-written directory under ``target``."""
+    tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write(tmp)
+        _fsync_tree(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def save_checkpoint(
     root: Path, model: Any, optimizer: torch.optim.Optimizer, state: TrainState, keep: int
 ) -> Path:
     import torch
 
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"checkpoint-{state.step}"
-    tmp = root / f".tmp-checkpoint-{state.step}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(torch.get_rng_state(), tmp / "rng.pt")
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state)))
-        _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    final = write_dir_atomically(root / f"checkpoint-{state.step}", write)
     _prune(root, keep)
     return final
 
