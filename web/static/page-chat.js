@@ -172,11 +172,18 @@ export function mount(root) {
       // Keep the newest text in view unless the reader scrolled up.
       if (transcript.scrollHeight - transcript.scrollTop - transcript.clientHeight < 80) transcript.scrollTop = transcript.scrollHeight;
     };
-    const tick = () => { firstToken ??= performance.now(); };
+    // Deltas can arrive far faster than the screen refreshes; rendering each
+    // one would starve the page (and its Stop button), so draw once a frame.
+    let frame = 0;
+    const render = () => { frame = 0; view.update(); follow(); };
+    const delta = () => {
+      firstToken ??= performance.now();
+      frame ||= requestAnimationFrame(render);
+    };
     try {
       const done = await c.session.turn({ ...s, text, signal: controller.signal }, {
-        onText: (d) => { tick(); turn.text += d; view.update(); follow(); },
-        onReasoning: (d) => { tick(); turn.reasoning += d; view.update(); follow(); },
+        onText: (d) => { turn.text += d; delta(); },
+        onReasoning: (d) => { turn.reasoning += d; delta(); },
         onFallback: describeMode,
       });
       const end = performance.now();
@@ -190,6 +197,7 @@ export function mount(root) {
       else { turn.status = 'failed'; turn.error = err; }
       turn.seconds = (performance.now() - started) / 1000;
     } finally {
+      cancelAnimationFrame(frame);
       controller = null;
       setStreaming(false);
       view.update();
