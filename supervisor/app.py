@@ -133,7 +133,7 @@ async def lab_ctx(app: web.Application) -> AsyncIterator[None]:
     runner = JobRunner(JobStore(app[DB]), lease, RunnerSettings(
         state_dir=cfg.state_path, roots=roots, python=sys.executable,
         max_concurrent=cfg.max_concurrent_jobs or None, grace_s={},
-        heartbeat_timeout_s=cfg.job_heartbeat_timeout,
+        heartbeat_timeout_s=cfg.job_heartbeat_timeout, stop_timeout_s=cfg.job_grace_s,
         retention_s=cfg.job_retention_days * 86400, extra_env=extra_env))
     app[POOL] = pool
     app[routes_jobs.LEASE] = lease

@@ -284,7 +284,7 @@ class WorkerPool:
             await handle.changed.wait()
         return handle.facts
 
-    async def generate(
+    async def admit(
         self,
         model: str,
         *,
@@ -295,8 +295,9 @@ class WorkerPool:
         template_vars: dict[str, Any] | None = None,
         request_id: str = "",
         keep_alive: float | None = None,
-    ) -> AsyncGenerator[p.Delta | p.Done, None]:
-        """Stream one completion; leaving the iteration early cancels it.
+    ) -> Generation:
+        """Load the model and queue one completion now, so that a refusal
+        (queue full, GPU busy, model failed) raises before any output.
 
         ``keep_alive`` (seconds; 0 = unload after this request, negative =
         keep loaded) overrides how long the model stays loaded afterwards.
@@ -306,21 +307,16 @@ class WorkerPool:
             handle.keep_alive = keep_alive
         msg = p.Generate(0, params or p.SamplingParams(), messages, prompt, tools,
                          template_vars or {}, request_id)
-        pend = self._submit(handle, msg)
+        return Generation(self, model, handle, self._submit(handle, msg))
+
+    async def generate(self, model: str, **kwargs: Any) -> AsyncGenerator[p.Delta | p.Done, None]:
+        """Stream one completion (see ``admit``); leaving early cancels it."""
+        gen = await self.admit(model, **kwargs)
         try:
-            while True:
-                ev = await pend.events.get()
-                if isinstance(ev, p.Delta):
-                    yield ev
-                elif isinstance(ev, p.Done):
-                    for observe in self.on_done:
-                        observe(model, ev)
-                    yield ev
-                    return
-                else:
-                    raise _as_api_error(ev)
+            async for ev in gen:
+                yield ev
         finally:
-            handle.cancel(pend)
+            await gen.aclose()
 
     async def _call(self, model: str, embedding: bool, msg: p.Embed | p.Tokenize) -> p.FromWorker:
         handle = await self.load(model, embedding)
@@ -380,6 +376,46 @@ def describe(h: WorkerHandle) -> dict[str, Any]:
             "requests_cancelled": h.stats.requests_cancelled,
             "tokens_generated": h.stats.tokens_generated},
     }
+
+
+class Generation:
+    """The outputs of one admitted completion, ending with ``Done``.
+
+    ``aclose()`` withdraws or cancels it in the worker (a no-op once it has
+    finished); unlike a generator's, it works even if never iterated.
+    """
+
+    def __init__(self, pool: WorkerPool, model: str, handle: WorkerHandle, pend: Pending) -> None:
+        self._pool = pool
+        self._model = model
+        self._handle = handle
+        self._pend = pend
+        self._ended = False
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> p.Delta | p.Done:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            ev = await self._pend.events.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if isinstance(ev, p.Delta):
+            return ev
+        await self.aclose()
+        if isinstance(ev, p.Done):
+            for observe in self._pool.on_done:
+                observe(self._model, ev)
+            return ev
+        raise _as_api_error(ev)
+
+    async def aclose(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._handle.cancel(self._pend)
 
 
 def _as_api_error(ev: p.Error | WorkerGone | p.FromWorker) -> ApiError:

@@ -61,6 +61,7 @@ class RunnerSettings:
     grace_s: Mapping[str, float] = field(default_factory=dict)
     heartbeat_timeout_s: float = 120.0
     keepalive_s: float = 5.0
+    # At shutdown: how long jobs get to checkpoint and stop before SIGKILL.
     stop_timeout_s: float = 10.0
     max_line_bytes: int = 1 << 20
     log_tail_bytes: int = 2000
@@ -222,6 +223,16 @@ class JobRunner:
             except (OSError, ApiError) as exc:
                 log.error("pruning old jobs: %s", exc)
             await asyncio.sleep(self.settings.prune_interval_s)
+
+    def hurry(self) -> None:
+        """A second shutdown signal: kill the jobs still stopping, now."""
+        for a in self._active.values():
+            if a.pgid is None:
+                continue
+            log.warning("job %s: killed without waiting for its grace", a.job.id)
+            if a.killer is not None:
+                a.killer.cancel()
+            a.killer = asyncio.create_task(self._kill_after(a.pgid, 0.0))
 
     # ------------------------------------------------------------ one job
 

@@ -5,7 +5,7 @@ finish within ``shutdown_timeout`` and are then ended with a
 ``shutting_down`` error event (a clean end of the stream, not a cut
 connection); running jobs are asked to checkpoint and stop (their grace),
 all at the same time. A second SIGTERM/SIGINT (``hurry``) stops the workers
-at once. The cleanup contexts then stop what is left and close the database.
+and kills the jobs at once. The cleanup contexts then stop what is left and close the database.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ async def drain(app: web.Application) -> None:
     try:
         await asyncio.wait({work, hurry}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
-            log.warning("second signal: stopping workers now")
+            log.warning("second signal: stopping workers and jobs now")
+            runner.hurry()
             await asyncio.gather(*(h.stop(REASON, "shutting_down") for h in handles))
         await work
     finally:

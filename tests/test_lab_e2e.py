@@ -98,11 +98,17 @@ def test_job_waits_for_a_stream_then_inference_gets_503(models_dir: Path,
     # While the stream drains, the job waits; then it runs and inference is refused.
     running = wait_job(srv, j["id"], lambda j: j["status"] == "running" and j["pid"])
     refused = chat(srv)
+    # A streamed Responses request is refused the same way, before any event.
+    refused_stream = httpx.post(srv.base_url + "/v1/responses", timeout=30, json={
+        "model": srv.model, "input": "hi", "stream": True, "max_output_tokens": 4})
     streamer.join(60)
     assert out.get("done") and not any("error" in e for e in out["events"]), "the stream was cut"
     assert refused.status_code == 503
     assert int(refused.headers["Retry-After"]) >= 1
     assert j["id"] in refused.json()["error"]["message"]
+    assert refused_stream.status_code == 503, refused_stream.text
+    assert int(refused_stream.headers["Retry-After"]) >= 1
+    assert refused_stream.json()["error"]["code"] == refused.json()["error"]["code"]
     gpu = httpx.get(srv.base_url + "/api/gpu").json()
     assert running["status"] == "running"
     assert gpu["devices"][0]["holder"] is None or gpu["devices"][0]["holder"]["job_id"] == j["id"]

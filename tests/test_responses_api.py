@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -73,6 +73,9 @@ class FakePool:
             raise ModelNotFound(f"model {model!r} does not exist", param="model")
         return ModelFacts("x.gguf", 2048, 2048, 300, True, False, self.template)
 
+    async def admit(self, model: str, **kwargs: Any) -> AsyncGenerator[Delta | Done, None]:
+        return self.generate(model, **kwargs)
+
     async def generate(
         self,
         model: str,
@@ -83,7 +86,7 @@ class FakePool:
         params: SamplingParams | None = None,
         template_vars: dict[str, Any] | None = None,
         request_id: str = "",
-    ) -> AsyncIterator[Delta | Done]:
+    ) -> AsyncGenerator[Delta | Done, None]:
         assert messages is not None and params is not None
         self.calls.append(Call(messages, tools, params, template_vars or {}))
         try:

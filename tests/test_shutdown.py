@@ -112,3 +112,47 @@ def test_running_job_is_stopped_and_marked_interrupted(
     assert _none_alive(children)
     srv.start()
     assert httpx.get(f"{srv.base_url}/api/jobs/{job['id']}").json()["status"] == "interrupted"
+
+
+def _running_stubborn_job(srv: Server) -> str:
+    """A job that ignores SIGTERM, so only its grace (or a kill) ends it."""
+    body = {"kind": "sleep", "params": {"steps": 100000, "step_seconds": 0.05, "ignore_term": True}}
+    job: dict[str, Any] = httpx.post(srv.base_url + "/api/jobs", json=body).json()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{srv.base_url}/api/jobs/{job['id']}").json()["status"] != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return str(job["id"])
+
+
+def test_job_grace_setting_bounds_how_long_a_job_may_take_to_stop(
+        start_server: Callable[..., Server]) -> None:
+    # The sleep kind's own grace is 10 s; the configured 1 s must win.
+    srv = start_server(short_tempdir("gvm"), env={"GPUVISOR_JOB_GRACE_S": "1"})
+    job_id = _running_stubborn_job(srv)
+    children = _descendants(srv)
+    t0 = time.monotonic()
+    assert srv.stop(signal.SIGTERM) == 0
+    assert time.monotonic() - t0 < 7
+    assert _none_alive(children)
+    srv.start()
+    assert httpx.get(f"{srv.base_url}/api/jobs/{job_id}").json()["status"] == "interrupted"
+
+
+def test_second_signal_kills_a_job_still_in_its_grace(
+        start_server: Callable[..., Server]) -> None:
+    srv = start_server(short_tempdir("gvm"), env={"GPUVISOR_JOB_GRACE_S": "120"})
+    job_id = _running_stubborn_job(srv)
+    children = _descendants(srv)
+    assert srv.proc is not None
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert srv.proc.poll() is None  # still waiting for the job's grace
+    t1 = time.monotonic()
+    srv.proc.send_signal(signal.SIGINT)
+    assert srv.proc.wait(15) == 0
+    assert time.monotonic() - t1 < 7
+    srv.stop()
+    assert _none_alive(children)
+    srv.start()
+    assert httpx.get(f"{srv.base_url}/api/jobs/{job_id}").json()["status"] == "interrupted"

@@ -148,6 +148,12 @@ def test_queue_bound_gives_503_with_retry_after(tiny_model_path: Path,
                 while (await c.get(srv.base_url + "/api/workers")).json()["workers"][0]["queued"] < 1:
                     await asyncio.sleep(0.02)
                 third = await c.post(url, json={**_long_stream_body(srv.model, 4), "stream": False})
+                # A streamed Responses request is refused before any event, too.
+                third_stream = await c.post(srv.base_url + "/v1/responses", json={
+                    "model": srv.model, "input": "hi", "stream": True, "max_output_tokens": 4})
+                assert third_stream.status_code == 503, third_stream.text
+                assert int(third_stream.headers["Retry-After"]) >= 1
+                assert third_stream.json()["error"]["code"] == "queue_full"
             # Closing the first stream lets the queued request run.
             assert (await queued).status_code == 200
             return third

@@ -56,20 +56,25 @@ async def _keepalive(sse: SseWriter, activity: _Activity, interval: float) -> No
 
 
 async def _stream(request: web.Request, service: ResponsesService, valid: ValidRequest) -> web.StreamResponse:
-    events = await service.stream(valid)
-    sse = await SseWriter.start(request)
-    activity = _Activity()
-    pump = asyncio.create_task(_pump(events, sse, activity), name="responses-stream")
-    ticker = asyncio.create_task(_keepalive(sse, activity, service.keepalive_s), name="responses-keepalive")
-    tasks = [pump, ticker]
+    # A refusal (queue full, GPU busy) raises here: an HTTP error with
+    # Retry-After, before the 200 of an event stream is committed.
+    stream = await service.stream(valid)
     try:
-        # The ticker ends only by failing: then a client that left during a
-        # long prefill is noticed without waiting for the first token.
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        sse = await SseWriter.start(request)
+        activity = _Activity()
+        pump = asyncio.create_task(_pump(stream.events, sse, activity), name="responses-stream")
+        ticker = asyncio.create_task(_keepalive(sse, activity, service.keepalive_s), name="responses-keepalive")
+        tasks = [pump, ticker]
+        try:
+            # The ticker ends only by failing: then a client that left during a
+            # long prefill is noticed without waiting for the first token.
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.wait(tasks)
+        await stream.aclose()
     for task in tasks:
         exc = None if task.cancelled() else task.exception()
         if isinstance(exc, ConnectionResetError):

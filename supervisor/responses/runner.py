@@ -10,10 +10,9 @@ always ending with exactly one terminal event.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from supervisor.errors import ApiError, BadRequest, ModelNotFound, Unavailable
 from supervisor.responses.convert import template_tools, to_messages
@@ -31,18 +30,15 @@ from supervisor.responses.parse import OutputParser
 from supervisor.responses.profile import TemplateProfile, profile_for
 from worker.protocol import ChatMessage, Delta, Done, ModelFacts, SamplingParams
 
-T = TypeVar("T")
 
+class Outputs(Protocol):
+    """One admitted generation; ``aclose()`` cancels it, even unstarted."""
 
-@asynccontextmanager
-async def closing(stream: AsyncIterator[T]) -> AsyncIterator[AsyncIterator[T]]:
-    """Like ``contextlib.aclosing`` for any async iterator: leaving early closes
-    a generator at once (for the pool's, that cancels the generation)."""
-    try:
-        yield stream
-    finally:
-        if isinstance(stream, AsyncGenerator):
-            await stream.aclose()
+    def __aiter__(self) -> Outputs: ...
+
+    async def __anext__(self) -> Delta | Done: ...
+
+    async def aclose(self) -> None: ...
 
 
 class GenerationPool(Protocol):
@@ -50,7 +46,7 @@ class GenerationPool(Protocol):
 
     async def facts(self, model: str) -> ModelFacts: ...
 
-    def generate(
+    async def admit(
         self,
         model: str,
         *,
@@ -60,7 +56,7 @@ class GenerationPool(Protocol):
         params: SamplingParams | None = None,
         template_vars: dict[str, Any] | None = None,
         request_id: str = "",
-    ) -> AsyncIterator[Delta | Done]: ...
+    ) -> Outputs: ...
 
 
 @dataclass
@@ -127,6 +123,18 @@ def plan(req: CreateRequest, history: list[Item], items: list[Item], facts: Mode
     )
 
 
+async def admit(pool: GenerationPool, model: str, plan: Plan, request_id: str = "") -> Outputs:
+    """Queue the generation on the model's worker; a refusal raises here."""
+    return await pool.admit(
+        model,
+        messages=plan.messages,
+        tools=plan.tools,
+        params=plan.params,
+        template_vars=plan.template_vars,
+        request_id=request_id,
+    )
+
+
 async def run(
     pool: GenerationPool,
     model: str,
@@ -135,12 +143,14 @@ async def run(
     *,
     request_id: str = "",
     raise_early: bool = False,
+    admitted: Outputs | None = None,
 ) -> AsyncGenerator[Event, None]:
     """Yield every event of the response, ending with one terminal event.
 
     With ``raise_early``, an unknown model, a refused request or a prompt the
     worker rejects (e.g. too long) raises before any output, so the caller can
-    answer 404/503/400, instead of producing a failed response.
+    answer 404/503/400, instead of producing a failed response. ``admitted``
+    is a generation the caller already queued (to refuse it as HTTP).
     """
     for event in builder.start():
         yield event
@@ -149,15 +159,8 @@ async def run(
     done: Done | None = None
     produced = False
     try:
-        stream = pool.generate(
-            model,
-            messages=plan.messages,
-            tools=plan.tools,
-            params=plan.params,
-            template_vars=plan.template_vars,
-            request_id=request_id,
-        )
-        async with closing(stream) as outputs:
+        outputs = admitted if admitted is not None else await admit(pool, model, plan, request_id)
+        try:
             async for out in outputs:
                 produced = True
                 if isinstance(out, Done):
@@ -167,6 +170,9 @@ async def run(
                     reasoning_tokens += out.n_tokens
                 for event in builder.pieces(parser.feed(out.text)):
                     yield event
+        finally:
+            # Leaving early (client gone, cancelled) cancels the generation.
+            await outputs.aclose()
     except (ModelNotFound, Unavailable, BadRequest) as exc:
         if raise_early and not produced:
             if isinstance(exc, BadRequest) and exc.param == "messages":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from typing import Literal
 
 from supervisor.errors import ApiError, BadRequest, Conflict, NotFound
@@ -20,11 +21,24 @@ from supervisor.responses.events import Event, EventBuilder
 from supervisor.responses.items import Item
 from supervisor.responses.models import CreateRequest, ValidRequest
 from supervisor.responses.objects import ResponseObject, new_response, snapshot
-from supervisor.responses.runner import GenerationPool, Plan, plan, run
+from supervisor.responses.runner import GenerationPool, Outputs, Plan, admit, plan, run
 from supervisor.responses.store import ResponseStore
 
 DEFAULT_KEEPALIVE_S = 10.0
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+@dataclass
+class ResponseStream:
+    """A streamed response's events; ``aclose()`` also cancels the
+    generation when the events were never read (the client left early)."""
+
+    events: AsyncGenerator[Event, None]
+    outputs: Outputs
+
+    async def aclose(self) -> None:
+        await self.events.aclose()
+        await self.outputs.aclose()
 
 
 class ResponsesService:
@@ -65,18 +79,21 @@ class ResponsesService:
         if valid.body.store:
             await self.store.save(resp, valid.items)
 
-    async def stream(self, valid: ValidRequest) -> AsyncGenerator[Event, None]:
-        """Check what can fail with an HTTP error, then return the event stream."""
+    async def stream(self, valid: ValidRequest) -> ResponseStream:
+        """Check what can fail with an HTTP error (a bad request, an unknown
+        model, a full queue or a busy GPU), then return the event stream."""
         history = await self._history(valid.body)
         generation = await self._plan(valid, history)
         resp = new_response(valid.body, self._clock(), "in_progress")
-        return self._events(resp, valid, generation)
+        outputs = await admit(self.pool, resp.model, generation, resp.id)
+        return ResponseStream(self._events(resp, valid, generation, outputs), outputs)
 
     async def _events(
-        self, resp: ResponseObject, valid: ValidRequest, generation: Plan
+        self, resp: ResponseObject, valid: ValidRequest, generation: Plan, outputs: Outputs
     ) -> AsyncGenerator[Event, None]:
         builder = EventBuilder(resp, self._clock)
-        async for event in run(self.pool, resp.model, generation, builder, request_id=resp.id):
+        async for event in run(self.pool, resp.model, generation, builder, request_id=resp.id,
+                               admitted=outputs):
             if event.type in TERMINAL_EVENTS:
                 await self._save(resp, valid)
             yield event
