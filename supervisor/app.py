@@ -25,7 +25,7 @@ from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
 from supervisor.handle import Timing
-from supervisor.httputil import error_response, json_response
+from supervisor.httputil import answer_and_close, error_response, json_response
 from supervisor.keys import CONFIG, DB, LIBRARY, POOL, STARTED_AT
 from supervisor.lease import GpuLease, detect_devices
 from supervisor.library import ModelLibrary
@@ -48,6 +48,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         resp = await handler(request)
     except ApiError as err:
+        if err.close_connection:
+            return await answer_and_close(request, error_response(err))
         return error_response(err)
     except web.HTTPException as exc:
         if exc.status < 400:

@@ -79,6 +79,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: str = "info"
     # HTTP
     max_body_bytes: int = 16 * 1024 * 1024
+    # Seconds a JSON request body may take to arrive (a stalled client holds
+    # a connection and its buffer until then).
+    body_timeout: float = 60.0
     # Worker pool
     preload: list[str] = []
     queue_limit: int = 64
@@ -140,6 +143,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("queue_limit must be >= 0")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.body_timeout <= 0:
+            raise ValueError("body_timeout must be > 0")
         if self.max_loaded_models < 1:
             raise ValueError("max_loaded_models must be at least 1")
         parse_duration(self.keep_alive)

@@ -28,6 +28,8 @@ class ApiError(Exception):
     status: int = 500
     type: str = "server_error"
     code: str | None = "internal_error"
+    # Close the connection after answering (what is left of its body is junk).
+    close_connection: bool = False
 
     def __init__(
         self,
@@ -83,6 +85,15 @@ class PayloadTooLarge(ApiError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class RequestTimeout(ApiError):
+    """The request body did not arrive in time (408); the connection closes."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+    close_connection = True
 
 
 class UpstreamError(ApiError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any, TypeVar
@@ -9,7 +10,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from supervisor.errors import ApiError, BadRequest, PayloadTooLarge
+from supervisor.errors import ApiError, BadRequest, PayloadTooLarge, RequestTimeout
 from supervisor.keys import CONFIG
 
 T = TypeVar("T")
@@ -28,12 +29,14 @@ def validation_param(exc: msgspec.ValidationError) -> str | None:
 async def read_body(request: web.Request) -> bytes:
     """The raw body. aiohttp has already decoded gzip/deflate/br/zstd bodies
     (zstd through backports.zstd), counting the limit on the decoded size."""
+    cfg = request.app[CONFIG]
     try:
-        return await request.read()
+        async with asyncio.timeout(cfg.body_timeout):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
-        raise PayloadTooLarge(
-            f"request body exceeds the limit of {request.app[CONFIG].max_body_bytes} bytes"
-        ) from exc
+        raise PayloadTooLarge(f"request body exceeds the limit of {cfg.max_body_bytes} bytes") from exc
+    except TimeoutError as exc:
+        raise RequestTimeout(f"the request body did not arrive within {cfg.body_timeout:g} s") from exc
 
 
 def decode_json(body: bytes, type_: type[T]) -> T:
@@ -65,6 +68,17 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 def error_response(err: ApiError) -> web.Response:
     return json_response(err.body(), status=err.status, headers=err.headers)
+
+
+async def answer_and_close(request: web.Request, resp: web.Response) -> web.Response:
+    """Send ``resp``, then close the connection at once: aiohttp would
+    otherwise linger up to 10 s reading the rest of a stalled body."""
+    resp.force_close()
+    await resp.prepare(request)
+    await resp.write_eof()
+    if request.protocol is not None:
+        request.protocol.force_close()
+    return resp
 
 
 SSE_HEADERS = {

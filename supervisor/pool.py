@@ -326,7 +326,7 @@ class WorkerPool:
         finally:
             handle.cancel(pend)
         if isinstance(ev, (p.Error, WorkerGone)):
-            raise _as_api_error(ev)
+            raise _as_api_error(ev, msg)
         return ev
 
     async def embed(self, model: str, inputs: list[str]) -> p.Embeddings:
@@ -410,7 +410,7 @@ class Generation:
             for observe in self._pool.on_done:
                 observe(self._model, ev)
             return ev
-        raise _as_api_error(ev)
+        raise _as_api_error(ev, self._pend.msg)
 
     async def aclose(self) -> None:
         if not self._ended:
@@ -418,14 +418,25 @@ class Generation:
             self._handle.cancel(self._pend)
 
 
-def _as_api_error(ev: p.Error | WorkerGone | p.FromWorker) -> ApiError:
+def _blamed_param(code: str, msg: p.Generate | p.Embed | p.Tokenize) -> str | None:
+    """The request field a worker-side client error is about."""
+    if code == "invalid_grammar":
+        return "response_format"
+    if code in ("context_length_exceeded", "template_error"):
+        if isinstance(msg, p.Generate):
+            return "messages" if msg.messages is not None else "prompt"
+        return "input"
+    return None
+
+
+def _as_api_error(ev: p.Error | WorkerGone | p.FromWorker, msg: p.Generate | p.Embed | p.Tokenize) -> ApiError:
     if isinstance(ev, WorkerGone):
         if ev.code in ("evicted", "worker_crashed"):
             return UpstreamError(ev.message, code=ev.code)
         return Unavailable(ev.message, retry_after=5, code=ev.code)
     if isinstance(ev, p.Error):
         if ev.code in _CLIENT_ERRORS:
-            return BadRequest(ev.message, code=ev.code, param="messages")
+            return BadRequest(ev.message, code=ev.code, param=_blamed_param(ev.code, msg))
         if ev.code == "busy":
             return Unavailable(ev.message, retry_after=1, code="worker_busy")
         return UpstreamError(ev.message, code=ev.code)

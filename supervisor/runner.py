@@ -35,7 +35,7 @@ import jobs
 from jobs.context import JobContext
 from jobs.params import JobParams, KindSpec, Roots, kind_spec, params_dict
 from jobs.store import DEFAULT_RETENTION_S, Job, JobStore, Recovery, Status
-from supervisor.errors import ApiError, BadRequest
+from supervisor.errors import ApiError, BadRequest, StorageFull
 from supervisor.job_process import (
     EventFramer,
     describe_exit,
@@ -90,6 +90,14 @@ class _Active:
     killer: asyncio.Task[None] | None = None
 
 
+@dataclass(frozen=True)
+class _Outcome:
+    status: Status
+    result: dict[str, Any] | None
+    error: str | None
+    exit_code: int | None
+
+
 class JobRunner:
     """Runs queued jobs; ``start()`` / ``stop()`` own all of its tasks."""
 
@@ -101,6 +109,8 @@ class JobRunner:
         self._active: dict[str, _Active] = {}
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        # Final states waiting for disk space (see _record_later).
+        self._late_records: set[asyncio.Task[None]] = set()
         self._stopping = False
 
     # ------------------------------------------------------------ lifecycle
@@ -121,9 +131,9 @@ class JobRunner:
     async def stop(self) -> None:
         """Ask running jobs to stop, SIGKILL what is left after the bound."""
         self._stopping = True
-        for task in self._tasks:
+        for task in [*self._tasks, *self._late_records]:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._late_records]:
             with suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
@@ -275,6 +285,11 @@ class JobRunner:
     async def _run(self, active: _Active) -> None:
         try:
             await self._run_job(active)
+        except StorageFull as exc:
+            # An expected event: the job was killed (its progress could not be
+            # kept); the outcome is recorded once the disk has room again.
+            log.error("job %s: %s; the job was stopped", active.job.id, exc.message)
+            await self._finish(active, "failed", error=f"stopped: {exc.message}")
         except Exception as exc:
             log.exception("job %s: runner error", active.job.id)
             await self._finish(active, "failed", error=f"runner error: {type(exc).__name__}: {exc}")
@@ -465,11 +480,37 @@ class JobRunner:
         error: str | None = None,
         exit_code: int | None = None,
     ) -> None:
+        outcome = _Outcome(status, result, error, exit_code)
         try:
-            await self.store.finish(
-                active.job.id, status, result=result, error=error, exit_code=exit_code
-            )
+            await self._record(active.job.id, outcome)
+        except StorageFull as exc:
+            log.error("job %s ended (%s) but the disk is full: %s; retrying until it has room",
+                      active.job.id, status, exc.message)
+            task = asyncio.create_task(self._record_later(active.job.id, outcome),
+                                       name=f"job-{active.job.id}-record")
+            self._late_records.add(task)
+            task.add_done_callback(self._late_records.discard)
+
+    async def _record(self, job_id: str, o: _Outcome) -> None:
+        try:
+            await self.store.finish(job_id, o.status, result=o.result, error=o.error, exit_code=o.exit_code)
+        except StorageFull:
+            raise
         except ApiError as exc:
             # Already finished elsewhere (say, cancelled while still queued).
-            log.info("job %s: %s", active.job.id, exc.message)
+            log.info("job %s: %s", job_id, exc.message)
+
+    async def _record_later(self, job_id: str, outcome: _Outcome) -> None:
+        """Retry a final state the full disk refused. Cancelled at shutdown:
+        boot recovery then marks the job ``interrupted``."""
+        delay = 0.5
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await self._record(job_id, outcome)
+            except StorageFull:
+                delay = min(delay * 2, 10.0)
+                continue
+            log.info("job %s: its final state (%s) is saved now", job_id, outcome.status)
+            return
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import httpx
 import openai
@@ -171,3 +172,20 @@ def test_zstd_body_is_accepted(server: Server) -> None:
     resp = httpx.post(server.base_url + "/v1/chat/completions", content=body,
                       headers={"Content-Encoding": "zstd", "Content-Type": "application/json"})
     assert resp.status_code == 200, resp.text
+
+
+def test_worker_log_names_the_request_id(server: Server) -> None:
+    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
+                   headers={"X-Request-Id": "trace-worker-7f3a"},
+                   json={"model": server.model, "max_tokens": 3,
+                         "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    assert r.headers["X-Request-Id"] == "trace-worker-7f3a"
+    # The worker's own log line for the request carries the same id.
+    log_file = server.state_dir / "logs" / f"{server.model}.log"
+    deadline = time.monotonic() + 10
+    while "request trace-worker-7f3a: " not in log_file.read_text(errors="replace"):
+        assert time.monotonic() < deadline, log_file.read_text(errors="replace")[-2000:]
+        time.sleep(0.05)
+    line = next(ln for ln in log_file.read_text(errors="replace").splitlines() if "trace-worker-7f3a" in ln)
+    assert "prompt tokens" in line and "generated" in line

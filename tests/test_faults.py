@@ -404,8 +404,12 @@ def test_disk_full_during_database_writes(tiny_model_path: Path, small_disk: Cal
         _chat_ok(srv)
         assert httpx.get(f"{srv.base_url}/api/jobs/{job['id']}", timeout=10).status_code == 200
         assert not _wait_gone([job["pid"]], timeout=30), "the job outlived its failed event writes"
-        # With space back, writes work again and the file is intact.
+        # With space back, writes work again and the file is intact; the job's
+        # outcome, refused while the disk was full, is recorded now.
         filler.unlink()
+        ended = _wait_job(srv, job["id"])
+        assert ended["status"] == "failed", ended
+        assert "disk" in ended["error"], ended
         r = httpx.post(srv.base_url + "/v1/responses", timeout=30, json={
             "model": srv.model, "input": "after", "max_output_tokens": 4, "store": True})
         assert r.status_code == 200, r.text

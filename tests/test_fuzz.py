@@ -193,10 +193,17 @@ def test_prompt_longer_than_the_context_is_a_clear_400(fuzz_server: Server) -> N
     r = _chat(fuzz_server, messages=[{"role": "user", "content": long_text}])
     assert r.status_code == 400, r.text
     assert assert_openai_error(r)["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "messages"
+    r = httpx.post(fuzz_server.base_url + "/v1/completions", timeout=REQUEST_TIMEOUT,
+                   json={"model": fuzz_server.model, "prompt": long_text})
+    assert r.status_code == 400, r.text
+    assert assert_openai_error(r)["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "prompt"
     r = httpx.post(fuzz_server.base_url + "/v1/responses", timeout=REQUEST_TIMEOUT,
                    json={"model": fuzz_server.model, "input": long_text, "store": False})
     assert r.status_code == 400, r.text
     assert assert_openai_error(r)["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "input"
     assert fuzz_server.worker()["pid"] == pid, "the worker crashed on a long prompt"
     _alive(fuzz_server)
 
@@ -215,11 +222,13 @@ def test_hostile_json_schemas_are_400_not_a_worker_crash(fuzz_server: Server, sc
     r = _chat(fuzz_server, response_format=fmt)
     assert r.status_code == 400, r.text
     assert assert_openai_error(r)["code"] == "invalid_grammar"
+    assert r.json()["error"]["param"] == "response_format"
     r = httpx.post(fuzz_server.base_url + "/v1/responses", timeout=REQUEST_TIMEOUT, json={
         "model": fuzz_server.model, "input": "hi", "store": False, "max_output_tokens": 4,
         "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}})
     assert r.status_code == 400, r.text
     assert assert_openai_error(r)["code"] == "invalid_grammar"
+    assert r.json()["error"]["param"] == "text.format"
     assert fuzz_server.worker()["pid"] == pid, "the worker crashed"
 
 
@@ -451,3 +460,22 @@ def test_malformed_requests_keep_the_shape(fuzz_server: Server) -> None:
                           headers={"Content-Type": "application/json"})
         assert ok(r.status_code), (method, path, r.status_code, r.text[:200])
         assert_openai_error(r, path)
+
+
+def test_a_stalled_body_gets_408_and_the_connection_closes(
+        tiny_model_path: Path, start_server: Callable[..., Server]) -> None:
+    models = short_tempdir("gvm")
+    (models / "tiny.gguf").symlink_to(tiny_model_path)
+    srv = start_server(models, env={"GPUVISOR_BODY_TIMEOUT": "1"})
+    with _raw_connection(srv) as s:
+        t0 = time.monotonic()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100000\r\n\r\n{\"model\": \"tiny\", ")
+        received = b""
+        while chunk := s.recv(65536):  # ends when the server closes the connection
+            received += chunk
+        assert time.monotonic() - t0 < 10
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), received[:300]
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    _alive(srv)

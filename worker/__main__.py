@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 
 from worker.engine import EngineOptions
@@ -30,6 +31,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # stderr is the worker's log file; one line per request, with its id.
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = EngineOptions(args.model, args.n_ctx, args.n_gpu_layers, args.threads, args.embedding,
                          args.cache_type, args.draft_ngram)
     return asyncio.run(run(opts, args.socket, args.heartbeat))

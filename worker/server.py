@@ -8,6 +8,7 @@ loop, merging consecutive deltas of one request when the loop falls behind.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -17,6 +18,8 @@ import msgspec
 
 from worker import protocol as p
 from worker.engine import Engine, EngineOptions, LoadError
+
+log = logging.getLogger("gpuvisor.worker")
 
 EXIT_OK = 0
 EXIT_LOAD_FAILED = 3
@@ -145,7 +148,7 @@ class WorkerServer:
     def dispatch(self, msg: p.ToWorker) -> None:
         match msg:
             case p.Generate():
-                self._start(msg.id, lambda ev: self.engine.generate(msg, self.outbox.put, ev))
+                self._start(msg.id, lambda ev: self.engine.generate(msg, self._logged(msg), ev))
             case p.Embed():
                 self._start(msg.id, lambda ev: self._embed(msg))
             case p.Cancel():
@@ -156,6 +159,22 @@ class WorkerServer:
                 self.outbox.send(p.Pong(msg.seq, self.stats()))
             case p.Tokenize():
                 self.outbox.send(p.Tokens(msg.id, self.engine.tokenize(msg.text, msg.add_special)))
+
+    def _logged(self, msg: p.Generate) -> Callable[[msgspec.Struct], None]:
+        """The outbox's put, logging how the request ended (with the parent's
+        request id, so a worker log line can be matched to an access log line)."""
+        rid = msg.request_id or "-"
+
+        def emit(out: msgspec.Struct) -> None:
+            if isinstance(out, p.Done):
+                log.info("request %s: %s, %d prompt tokens (%d cached), %d generated, "
+                         "prefill %.3f s, decode %.3f s", rid, out.finish_reason, out.prompt_tokens,
+                         out.cached_tokens, out.completion_tokens, out.prefill_s, out.decode_s)
+            elif isinstance(out, p.Error):
+                log.warning("request %s: %s: %s", rid, out.code, out.message)
+            self.outbox.put(out)
+
+        return emit
 
     def _embed(self, msg: p.Embed) -> None:
         if not self.engine.opts.embedding:

@@ -70,6 +70,13 @@ class Plan:
     # A grammar forces JSON: a leading "{" is the answer, not a tool call.
     json_output: bool = False
 
+    def blamed(self, chat_param: str) -> str:
+        """This request's field for a chat field the pool named in an error."""
+        if chat_param == "messages":
+            return "input"
+        # A grammar comes from the output format, else from a forced tool call.
+        return "text.format" if self.json_output else "tool_choice"
+
     def parser(self) -> OutputParser:
         # A grammar (JSON or a forced call) leaves no room for a think block.
         forced = self.json_output or self.params.grammar is not None
@@ -175,9 +182,9 @@ async def run(
             await outputs.aclose()
     except (ModelNotFound, Unavailable, BadRequest) as exc:
         if raise_early and not produced:
-            if isinstance(exc, BadRequest) and exc.param == "messages":
-                # The worker names its own field; here the prompt is "input".
-                raise BadRequest(exc.message, param="input", code=exc.code) from exc
+            if isinstance(exc, BadRequest) and exc.param in ("messages", "response_format"):
+                # The pool names chat fields; say which Responses field it was.
+                raise BadRequest(exc.message, param=plan.blamed(exc.param), code=exc.code) from exc
             raise
         for event in builder.failed(exc.code or "server_error", exc.message):
             yield event

@@ -86,13 +86,9 @@ async function errorFrom(response) {
   return new ApiError(response.status, body?.error ?? { message: `HTTP ${response.status} ${response.statusText}` });
 }
 
-// Paths are written from the root ('/api/jobs') but fetched relative to the
-// page, so the UI keeps working when a proxy serves it under a path prefix.
-function relative(path) {
-  return path.startsWith('/') ? path.slice(1) : path;
-}
-
 // Returns the Response (ok); throws ApiError otherwise. Asks for the token once on 401.
+// `path` is relative to the page ('api/jobs', never '/api/jobs'), so the UI
+// keeps working when a proxy serves it under a path prefix.
 export async function send(method, path, { json, body, headers = {}, signal } = {}) {
   const init = { method, signal, headers: { ...headers } };
   if (json !== undefined) {
@@ -104,7 +100,7 @@ export async function send(method, path, { json, body, headers = {}, signal } = 
   for (let attempt = 0; ; attempt++) {
     let response;
     try {
-      response = await fetch(relative(path), { ...init, headers: authHeaders(init.headers) });
+      response = await fetch(path, { ...init, headers: authHeaders(init.headers) });
     } catch (err) {
       if (err.name === 'AbortError') throw err;
       setOnline(false);
@@ -144,7 +140,7 @@ export async function getText(path, opts) {
 export async function uploadDataset(file) {
   const form = new FormData();
   form.append('file', file, file.name);
-  return (await send('POST', '/api/datasets', { body: form })).json();
+  return (await send('POST', 'api/datasets', { body: form })).json();
 }
 
 // Model ids may contain '/', kept as path separators.

@@ -41,7 +41,7 @@ export class ChatSession {
     if (instructions) body.instructions = instructions;
     if (maxTokens) body.max_output_tokens = maxTokens;
     if (temperature !== null && temperature !== undefined) body.temperature = temperature;
-    const response = await send('POST', '/v1/responses', { json: body, signal, headers: { Accept: 'text/event-stream' } });
+    const response = await send('POST', 'v1/responses', { json: body, signal, headers: { Accept: 'text/event-stream' } });
     let id = null;
     for await (const msg of readEvents(response)) {
       if (msg.data === undefined) continue;
@@ -80,7 +80,7 @@ export class ChatSession {
     const body = { model, messages, stream: true, stream_options: { include_usage: true } };
     if (maxTokens) body.max_tokens = maxTokens;
     if (temperature !== null && temperature !== undefined) body.temperature = temperature;
-    const response = await send('POST', '/v1/chat/completions', { json: body, signal, headers: { Accept: 'text/event-stream' } });
+    const response = await send('POST', 'v1/chat/completions', { json: body, signal, headers: { Accept: 'text/event-stream' } });
     let answer = '';
     let usage = null;
     let finish = null;

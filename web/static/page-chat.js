@@ -107,7 +107,7 @@ export function mount(root) {
     modelSel.disabled = on;
   }
 
-  getJson('/api/models').then((body) => {
+  getJson('api/models').then((body) => {
     const usable = body.data.filter((m) => m.usable);
     if (!usable.length) {
       replace(modelSel, h('option', { value: '', text: 'No usable model' }));

@@ -34,7 +34,7 @@ function throttle(fn, ms) {
 }
 
 export function mount(root, [jobId]) {
-  const url = (suffix = '') => `/api/jobs/${encodeURIComponent(jobId)}${suffix}`;
+  const url = (suffix = '') => `api/jobs/${encodeURIComponent(jobId)}${suffix}`;
   const title = h('h1', { text: jobId });
   const statusHost = h('span');
   const streamState = h('span', { class: 'stream-state', role: 'status', text: STREAM_LABELS.connecting });

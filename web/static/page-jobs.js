@@ -21,7 +21,7 @@ function listUrl(filters, limit, cursor) {
   if (filters.status) q.set('status', filters.status);
   if (filters.kind) q.set('kind', filters.kind);
   if (cursor) q.set('cursor', cursor);
-  return `/api/jobs?${q}`;
+  return `api/jobs?${q}`;
 }
 
 function jobRow(j) {
@@ -41,7 +41,7 @@ function datasetUpload(form) {
   const errorEl = h('p', { class: 'field-error', id: 'dataset-file-error', 'aria-live': 'polite' });
   const input = h('input', { type: 'file', id: 'dataset-file', name: 'file', 'aria-describedby': 'dataset-file-error',
     accept: '.jsonl,.ndjson,.json,.csv,.tsv,.txt,.text,.parquet' });
-  const templates = getJson('/api/dataset/templates').then((b) => b.data).catch(() => null);
+  const templates = getJson('api/dataset/templates').then((b) => b.data).catch(() => null);
   input.addEventListener('change', async () => {
     errorEl.textContent = '';
     const file = input.files[0];
@@ -108,7 +108,7 @@ function submitPanel(kinds, onCreated) {
             return;
           }
         }
-        const job = await postJson('/api/jobs', { kind: kind.kind, params: read.params, priority: read.extra.priority ?? 0 });
+        const job = await postJson('api/jobs', { kind: kind.kind, params: read.params, priority: read.extra.priority ?? 0 });
         onCreated(job);
       } catch (err) {
         form.showApiError(err);

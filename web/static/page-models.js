@@ -59,7 +59,7 @@ export function mount(root) {
         form.busy(true, 'Loading…');
         const refresh = setInterval(() => poller.now(), 500); // show progress while the call waits
         try {
-          await postJson(`/api/models/${modelPath(m.id)}/load`, body);
+          await postJson(`api/models/${modelPath(m.id)}/load`, body);
           openLoad = null;
         } catch (err) {
           form.showApiError(err, '');
@@ -77,8 +77,8 @@ export function mount(root) {
   async function act(m, verb) {
     rowErrors.delete(m.id);
     try {
-      if (verb === 'unload') await postJson(`/api/models/${modelPath(m.id)}/unload`, {});
-      else await postJson(`/api/models/${modelPath(m.id)}/load`, {});
+      if (verb === 'unload') await postJson(`api/models/${modelPath(m.id)}/unload`, {});
+      else await postJson(`api/models/${modelPath(m.id)}/load`, {});
     } catch (err) {
       rowErrors.set(m.id, err);
     }
@@ -130,7 +130,7 @@ export function mount(root) {
 
   const poller = poll(async () => {
     try {
-      models = (await getJson('/api/models')).data;
+      models = (await getJson('api/models')).data;
       render();
     } catch (err) {
       if (models === null) replace(tableHost, errorBox(err, 'Could not list models'));
@@ -148,7 +148,7 @@ export function mount(root) {
       if (!read) return;
       form.busy(true, 'Submitting…');
       try {
-        await postJson('/api/jobs', { kind: 'download', params: read.params, priority: read.extra.priority ?? 0 });
+        await postJson('api/jobs', { kind: 'download', params: read.params, priority: read.extra.priority ?? 0 });
         downloads.now();
       } catch (err) {
         form.showApiError(err);
@@ -161,7 +161,7 @@ export function mount(root) {
 
   const downloads = poll(async () => {
     try {
-      const jobs = (await getJson('/api/jobs?kind=download&limit=5')).data;
+      const jobs = (await getJson('api/jobs?kind=download&limit=5')).data;
       replace(downloadsHost, jobs.length ? h('section', { class: 'card' }, h('h2', { text: 'Recent downloads' }),
         h('ul', { class: 'plain job-mini' }, jobs.map((j) => h('li', {},
           h('div', { class: 'row' }, h('a', { href: `#/jobs/${encodeURIComponent(j.id)}`, text: j.params.repo_id || j.id }),

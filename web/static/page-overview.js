@@ -89,8 +89,8 @@ export function mount(root) {
 
   const poller = poll(async () => {
     const results = await Promise.allSettled([
-      getJson('/healthz'), getJson('/api/gpu'), getJson('/api/models'),
-      getJson('/api/jobs?status=running,queued&limit=20'),
+      getJson('healthz'), getJson('api/gpu'), getJson('api/models'),
+      getJson('api/jobs?status=running,queued&limit=20'),
     ]);
     const [health, gpu, models, jobs] = results;
     if (health.status === 'fulfilled') state.health = health.value;

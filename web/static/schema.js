@@ -4,7 +4,7 @@ import { getJson } from './api.js';
 let cached = null;
 
 export function jobKinds() {
-  cached ??= getJson('/api/jobs/schema').then((body) => body.data).catch((err) => { cached = null; throw err; });
+  cached ??= getJson('api/jobs/schema').then((body) => body.data).catch((err) => { cached = null; throw err; });
   return cached;
 }
 
