@@ -119,7 +119,9 @@ def _running_stubborn_job(srv: Server) -> str:
     body = {"kind": "sleep", "params": {"steps": 100000, "step_seconds": 0.05, "ignore_term": True}}
     job: dict[str, Any] = httpx.post(srv.base_url + "/api/jobs", json=body).json()
     deadline = time.monotonic() + 30
-    while httpx.get(f"{srv.base_url}/api/jobs/{job['id']}").json()["status"] != "running":
+    # Progress, not only "running": until the job has set up its signal
+    # handling, a SIGTERM would still end it at once.
+    while httpx.get(f"{srv.base_url}/api/jobs/{job['id']}").json()["progress"] <= 0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     return str(job["id"])
