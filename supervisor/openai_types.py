@@ -6,12 +6,13 @@ wrong type or an unsupported value is a 400 that names it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from supervisor.config import parse_duration
 from supervisor.errors import BadRequest
+from supervisor.responses.models import FunctionTool, NamedFunction, ToolChoice
 from worker.protocol import ChatMessage, SamplingParams
 
 
@@ -20,12 +21,47 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class ChatCalledFunction(msgspec.Struct):
+    name: str
+    # JSON text: the API sends arguments as a string, never as an object.
+    arguments: str
+
+
+class ChatToolCall(msgspec.Struct, kw_only=True):
+    """A call of an earlier assistant turn, echoed back in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ChatCalledFunction
+
+
 class InMessage(msgspec.Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ChatToolCall] | None = None
     tool_call_id: str | None = None
+
+
+class ChatFunction(msgspec.Struct, kw_only=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct, tag="function", tag_field="type"):
+    """Only function tools: any other ``type`` is a 400 naming ``tools[i].type``."""
+
+    function: ChatFunction
+
+
+class ChatFunctionName(msgspec.Struct):
+    name: str
+
+
+class ChatNamedTool(msgspec.Struct, tag="function", tag_field="type"):
+    function: ChatFunctionName
 
 
 class StreamOptions(msgspec.Struct):
@@ -117,14 +153,43 @@ class ChatRequest(Sampling, kw_only=True):
     messages: list[InMessage]
     max_completion_tokens: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatNamedTool | None = None
     parallel_tool_calls: bool | None = None
 
     def chat_messages(self) -> list[ChatMessage]:
         if not self.messages:
             raise BadRequest("messages must not be empty", param="messages")
-        return [_to_chat(i, m) for i, m in enumerate(self.messages)]
+        out = [_to_chat(i, m) for i, m in enumerate(self.messages)]
+        _name_tool_results(out)
+        return out
+
+    def function_tools(self) -> list[FunctionTool]:
+        """The tools in the Responses API's flat form, which the planner takes."""
+        tools: list[FunctionTool] = []
+        for i, tool in enumerate(self.tools or []):
+            fn = tool.function
+            if any(t.name == fn.name for t in tools):
+                raise BadRequest(f"duplicate tool name {fn.name!r}", param=f"tools[{i}].function.name")
+            tools.append(FunctionTool(name=fn.name, description=fn.description,
+                                      parameters=fn.parameters, strict=fn.strict))
+        return tools
+
+    def checked_tool_choice(self, names: list[str]) -> ToolChoice:
+        """``tool_choice`` checked against the tool ``names``; unset means "auto"."""
+        choice = self.tool_choice
+        if isinstance(choice, ChatNamedTool):
+            if choice.function.name not in names:
+                raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                                 param="tool_choice.function.name")
+            return NamedFunction(choice.function.name)
+        if choice == "required" and not names:
+            raise BadRequest("tool_choice 'required' needs at least one tool", param="tool_choice")
+        return choice or "auto"
+
+    @property
+    def parallel_calls(self) -> bool:
+        return self.parallel_tool_calls is not False
 
     def chat_sampling(self) -> SamplingParams:
         params = self.sampling(self.max_completion_tokens)
@@ -151,9 +216,24 @@ def _to_chat(i: int, m: InMessage) -> ChatMessage:
         content = "".join(texts)
     else:
         content = m.content
+    if m.role == "tool" and not m.tool_call_id:
+        raise BadRequest("a tool message needs the tool_call_id of the call it answers",
+                         param=f"messages[{i}].tool_call_id")
     role = "system" if m.role == "developer" else m.role
-    return ChatMessage(role=role, content=content, tool_calls=m.tool_calls,
+    calls = [msgspec.to_builtins(c) for c in m.tool_calls] if m.tool_calls else None
+    return ChatMessage(role=role, content=content, tool_calls=calls,
                        tool_call_id=m.tool_call_id, name=m.name)
+
+
+def _name_tool_results(messages: list[ChatMessage]) -> None:
+    """Give each tool result the name of the call it answers: some templates
+    render it, and chat clients send only the call id."""
+    names: dict[str, str] = {}
+    for msg in messages:
+        for call in msg.tool_calls or []:
+            names[call["id"]] = call["function"]["name"]
+        if msg.role == "tool" and msg.name is None and msg.tool_call_id in names:
+            msg.name = names[msg.tool_call_id]
 
 
 class CompletionRequest(Sampling, kw_only=True):

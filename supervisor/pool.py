@@ -280,6 +280,10 @@ class WorkerPool:
             if handle.state is WorkerState.FAILED:
                 raise Unavailable(f"model '{model_id}' failed: {handle.reason}",
                                   retry_after=30, code="model_failed")
+            if handle.state in (WorkerState.STOPPING, WorkerState.STOPPED):
+                # Unloaded before it was ever ready: nothing will fill the facts in.
+                raise Unavailable(f"model '{model_id}' was unloaded while it loaded",
+                                  retry_after=1, code="model_unavailable")
             handle.changed.clear()
             await handle.changed.wait()
         return handle.facts

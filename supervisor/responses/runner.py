@@ -23,7 +23,9 @@ from supervisor.responses.models import (
     CreateRequest,
     FormatJsonObject,
     FormatJsonSchema,
+    FunctionTool,
     NamedFunction,
+    ToolChoice,
 )
 from supervisor.responses.objects import Usage
 from supervisor.responses.parse import OutputParser
@@ -88,7 +90,7 @@ class Plan:
         )
 
 
-def _sampling(req: CreateRequest, profile: TemplateProfile) -> SamplingParams:
+def _sampling(req: CreateRequest) -> SamplingParams:
     params = SamplingParams(max_tokens=req.max_output_tokens, ignore_eos=req.ignore_eos)
     if req.temperature is not None:
         params.temperature = req.temperature
@@ -99,34 +101,66 @@ def _sampling(req: CreateRequest, profile: TemplateProfile) -> SamplingParams:
         params.json_schema = json.dumps(fmt.schema)
     elif isinstance(fmt, FormatJsonObject):
         params.json_object = True
-    choice = req.tool_choice
+    return params
+
+
+def _constrain_calls(
+    params: SamplingParams,
+    tools: list[FunctionTool],
+    choice: ToolChoice,
+    parallel: bool,
+    profile: TemplateProfile,
+) -> None:
+    """Force a well-formed call for "required" or a named function, with a
+    grammar that replaces any output format; else cap "auto" at one call."""
     if choice == "required" or isinstance(choice, NamedFunction):
-        chosen = [t for t in req.tools if not isinstance(choice, NamedFunction) or t.name == choice.name]
+        chosen = [t for t in tools if not isinstance(choice, NamedFunction) or t.name == choice.name]
         params.grammar = tool_call_grammar(
             [(t.name, t.parameters) for t in chosen],
             style=profile.tool_style,
-            parallel=req.parallel_tool_calls and not isinstance(choice, NamedFunction),
+            parallel=parallel and not isinstance(choice, NamedFunction),
         )
         params.json_schema, params.json_object = None, False
-    elif req.tools and choice == "auto" and not req.parallel_tool_calls and profile.tool_style == "hermes":
+    elif tools and choice == "auto" and not parallel and profile.tool_style == "hermes":
         # One call at most: stop at the end of the first; the parser closes it.
-        params.stop = ["</tool_call>"]
-    return params
+        params.stop = [*params.stop, "</tool_call>"]
+
+
+def tool_plan(
+    messages: list[ChatMessage],
+    params: SamplingParams,
+    profile: TemplateProfile,
+    *,
+    tools: list[FunctionTool],
+    choice: ToolChoice,
+    parallel: bool,
+    template_vars: dict[str, Any] | None = None,
+) -> Plan:
+    """The plan for ``messages`` offering ``tools`` under ``choice`` (chat completions share it)."""
+    use_tools = bool(tools) and choice != "none"
+    _constrain_calls(params, tools, choice, parallel, profile)
+    return Plan(
+        messages=messages,
+        params=params,
+        tools=template_tools(tools) if use_tools else None,
+        template_vars=template_vars or {},
+        profile=profile,
+        tool_names=frozenset(t.name for t in tools) if use_tools else frozenset(),
+        json_output=(params.json_schema is not None or params.json_object) and params.grammar is None,
+    )
 
 
 def plan(req: CreateRequest, history: list[Item], items: list[Item], facts: ModelFacts) -> Plan:
     profile = profile_for(facts.chat_template)
-    use_tools = bool(req.tools) and req.tool_choice != "none"
-    params = _sampling(req, profile)
     effort = req.reasoning.effort if req.reasoning else None
-    return Plan(
-        messages=to_messages(history, items, req.instructions),
-        params=params,
-        tools=template_tools(req.tools) if use_tools else None,
+    return tool_plan(
+        to_messages(history, items, req.instructions),
+        _sampling(req),
+        profile,
+        tools=req.tools,
+        choice=req.tool_choice,
+        parallel=req.parallel_tool_calls,
         template_vars=profile.template_vars(effort),
-        profile=profile,
-        tool_names=frozenset(t.name for t in req.tools) if use_tools else frozenset(),
-        json_output=(params.json_schema is not None or params.json_object) and params.grammar is None,
     )
 
 
