@@ -309,7 +309,8 @@ class Auth:
         path = request.path
         if path in OPEN_PATHS:
             return None
-        if path.startswith("/v1/") or path == "/metrics":
+        # Any key may read the API description: clients generate code from it.
+        if path.startswith("/v1/") or path in ("/metrics", "/openapi.json"):
             return "user"
         if path.startswith("/api/"):
             return "user" if request.method in SAFE_METHODS else "admin"

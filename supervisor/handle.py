@@ -43,6 +43,15 @@ class WorkerState(enum.Enum):
     FAILED = "failed"
 
 
+class Cause(enum.StrEnum):
+    """Why a worker process ended without being asked to; restarts count by it."""
+
+    EXITED = "exited"  # it exited or was killed by a signal on its own
+    HUNG = "hung"  # no answer to ping: aborted
+    IPC_BROKEN = "ipc_broken"  # its socket stream broke or went out of sync
+    HANDSHAKE_FAILED = "handshake_failed"  # died, stalled or timed out before ready
+
+
 class WorkerGone(msgspec.Struct):
     """Terminal event for a request whose worker went away mid-request."""
 
@@ -126,6 +135,8 @@ class WorkerHandle:
         self.facts: p.ModelFacts | None = None
         self.pid: int | None = None
         self.restarts = 0
+        self.restarts_by_cause: dict[Cause, int] = dict.fromkeys(Cause, 0)
+        self.cause: Cause | None = None
         self.last_used = self.clock()
         self.last_seen = self.clock()
         self.load_progress: float | None = None
@@ -221,6 +232,7 @@ class WorkerHandle:
         while self.crash_times and now - self.crash_times[0] > self.timing.crash_window:
             self.crash_times.popleft()
         self.reason = self.reason or f"worker exited with code {code}"
+        self.cause = self.cause or Cause.EXITED
         log.warning("worker %s crashed: %s", self.spec.model_id, self.reason)
         self._set_state(WorkerState.CRASHED)
         if self.inflight is not None:
@@ -246,12 +258,14 @@ class WorkerHandle:
             return True
         except TimeoutError:
             self.restarts += 1
+            self.restarts_by_cause[self.cause or Cause.EXITED] += 1
             return False
 
     # ------------------------------------------------------------ one process
 
     async def _run_once(self) -> int | None:
         self.reason = None
+        self.cause = None
         try:
             reader = await self._spawn()
         except LoadFailed as exc:
@@ -260,6 +274,7 @@ class WorkerHandle:
             return EXIT_LOAD_FAILED
         except (HandshakeFailed, OSError, p.ProtocolError) as exc:
             self.reason = f"handshake failed: {exc}"
+            self.cause = Cause.HANDSHAKE_FAILED
             await self._kill(signal.SIGKILL)
             return await self._reap()
         self._set_state(WorkerState.READY)
@@ -385,7 +400,9 @@ class WorkerHandle:
             try:
                 body = await p.read_frame(reader)
             except (p.ProtocolError, ConnectionError) as exc:
-                self.reason = f"IPC stream broken: {exc}"
+                # A hang already being killed breaks the stream too: keep the first cause.
+                self.reason = self.reason or f"IPC stream broken: {exc}"
+                self.cause = self.cause or Cause.IPC_BROKEN
                 await self._kill(signal.SIGKILL)
                 return
             if body is None:
@@ -422,6 +439,7 @@ class WorkerHandle:
             await asyncio.sleep(self.timing.ping_interval)
             if self.clock() - self.last_seen > self.timing.ping_timeout:
                 self.reason = f"no answer to ping within {self.timing.ping_timeout:.0f}s (hung)"
+                self.cause = Cause.HUNG
                 log.error("worker %s hung; aborting it", self.spec.model_id)
                 await self._kill(signal.SIGABRT)
                 await asyncio.sleep(self.timing.kill_grace)

@@ -131,8 +131,8 @@ class Snapshot:
                                   labels=["model", "mode"])
         state = GaugeMetricFamily("gpuvisor_worker_state", "1 for the state each worker is in",
                                   labels=["model", "mode", "state"])
-        restarts = CounterMetricFamily("gpuvisor_worker_restarts", "Worker restarts after a crash",
-                                       labels=["model", "mode"])
+        restarts = CounterMetricFamily("gpuvisor_worker_restarts", "Worker restarts after a crash, by cause",
+                                       labels=["model", "mode", "cause"])
         reason = GaugeMetricFamily("gpuvisor_worker_last_failure_info",
                                    "Why the worker last crashed or failed (1 while known)",
                                    labels=["model", "mode", "reason"])
@@ -141,7 +141,8 @@ class Snapshot:
             labels = [w["model"], w["mode"]]
             queue.add_metric(labels, int(w["queued"]) + int(w["in_flight"]))
             state.add_metric([*labels, w["state"]], 1)
-            restarts.add_metric(labels, int(w["restarts"]))
+            for cause, n in w["restarts_by_cause"].items():
+                restarts.add_metric([*labels, cause], int(n))
             if w["reason"]:
                 reason.add_metric([*labels, str(w["reason"])[:200]], 1)
         loaded.add_metric([], sum(1 for w in self.workers if w["state"] == "ready"))

@@ -370,6 +370,7 @@ def describe(h: WorkerHandle) -> dict[str, Any]:
         "state": h.state.value,
         "pid": h.pid,
         "restarts": h.restarts,
+        "restarts_by_cause": {c.value: n for c, n in h.restarts_by_cause.items()},
         "reason": h.reason,
         "queued": len(h.queue),
         "in_flight": 1 if h.inflight is not None else 0,

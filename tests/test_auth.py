@@ -72,6 +72,10 @@ def test_v1_needs_a_key(secured: Server, user_key: str) -> None:
     assert httpx.get(url + "/healthz").status_code == 200
     assert httpx.get(url + "/readyz").status_code == 200
     assert httpx.get(url + "/metrics").status_code == 401
+    # The API description: any key, not only the admin token.
+    assert httpx.get(url + "/openapi.json").status_code == 401
+    spec = httpx.get(url + "/openapi.json", headers={"Authorization": f"Bearer {user_key}"})
+    assert spec.status_code == 200 and spec.json()["openapi"].startswith("3.1")
 
 
 def test_api_mutations_need_the_admin_token(secured: Server, user_key: str) -> None:

@@ -75,6 +75,7 @@ def test_worker_crash_mid_stream_ends_with_error_and_restarts(long_server: Serve
     assert events[-1]["error"]["code"] == "worker_crashed"  # type: ignore[index]
     w = srv.wait_worker(lambda w: w["state"] == "ready" and w["pid"] != pid)
     assert w["restarts"] == 1
+    assert w["restarts_by_cause"] == {"exited": 1, "hung": 0, "ipc_broken": 0, "handshake_failed": 0}
     r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=30, json={
         "model": srv.model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200, r.text
@@ -172,6 +173,10 @@ def test_hung_worker_is_killed_and_restarted(long_server: Server) -> None:
     assert "hung" in (srv.log_text())
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert w["restarts"] == 1
+    assert w["restarts_by_cause"]["hung"] == 1 and w["restarts_by_cause"]["exited"] == 0
+    metrics = httpx.get(srv.base_url + "/metrics", timeout=10).text
+    assert f'gpuvisor_worker_restarts_total{{cause="hung",mode="generate",model="{srv.model}"}} 1.0' in metrics \
+        or f'gpuvisor_worker_restarts_total{{model="{srv.model}",mode="generate",cause="hung"}} 1.0' in metrics, metrics
 
 
 def test_worker_exits_when_the_parent_is_killed(tiny_model_path: Path,
