@@ -111,6 +111,8 @@ def build_trainer(
     import torch
 
     torch.manual_seed(params.seed)
+    if params.cpu_threads:
+        torch.set_num_threads(params.cpu_threads)
     tokenizer, model, device = _load(io, params, model_dir)
     train = encode_all(tokenizer, read_chat_jsonl(Path(params.train)), params.max_seq_len)
     evals = encode_all(tokenizer, read_chat_jsonl(Path(params.eval)), params.max_seq_len) if params.eval else None
@@ -122,6 +124,12 @@ def build_trainer(
     trainer = Trainer(model, params, train.examples, evals.examples if evals else [], int(pad or 0),
                       device, checkpoints)
     return trainer, tokenizer
+
+
+def _cpu_threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
 
 
 def _train(io: JobIO, trainer: Trainer, hooks: JobHooks, params: FinetuneParams) -> bool:
@@ -199,6 +207,7 @@ def run(io: JobIO, params: JobParams, ctx: JobContext) -> dict[str, Any]:
         "train_seconds": round(trainer.state.train_seconds, 3),
         "tokens_per_s": round(trainer.state.tokens_seen / max(trainer.state.train_seconds, 1e-9), 1),
         "attempt_seconds": round(seconds, 3),
+        "cpu_threads": _cpu_threads(),
     }
     result.update(_save_outputs(io, trainer, tokenizer, params, out))
     if params.export is not None:

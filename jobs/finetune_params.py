@@ -155,6 +155,9 @@ class FinetuneParams(JobParams):
     # Evaluate on ``eval`` every N steps (and at the end); unset: at the end only.
     eval_steps: PosInt | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Threads for training on the CPU; 0 = torch's default (one per core),
+    # which can be much slower than fewer where the cores are shared.
+    cpu_threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
     merge: bool = True
     export: ExportOptions | None = None
 

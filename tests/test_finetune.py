@@ -65,7 +65,7 @@ def _steps(events: list[tuple[str, dict[str, Any]]]) -> list[int]:
 
 async def test_finetune_loss_falls_events_in_order_outputs(tmp_path: Path, tiny_hf: Path) -> None:
     async with running_lab(tmp_path) as lab:
-        params = _params(lab, tiny_hf, eval="qa.eval.jsonl", eval_steps=8)
+        params = _params(lab, tiny_hf, eval="qa.eval.jsonl", eval_steps=8, cpu_threads=1)
         job, _ = await lab.runner.submit("finetune", params)
         done = await wait_finished(lab.store, job.id, timeout=150)
         assert done.status == "succeeded", done.error
@@ -86,6 +86,7 @@ async def test_finetune_loss_falls_events_in_order_outputs(tmp_path: Path, tiny_
     assert types[0] == "started" and types[-2:] == ["done", "status"]
     result = done.result or {}
     assert result["steps"] == 16 and result["resumed_from_step"] == 0
+    assert result["cpu_threads"] == 1
     merged = Path(result["merged_path"])
     assert (merged / "model.safetensors").is_file() and (merged / "tokenizer.json").is_file()
     assert (merged / "chat_template.jinja").is_file() or "chat_template" in json.loads(
@@ -194,6 +195,7 @@ def test_params_validation_names_the_field(tmp_path: Path, monkeypatch: pytest.M
         ({"model": "/etc"}, "params.model"),
         ({"target_modules": ["q_proj; rm"]}, "params.target_modules"),
         ({"bogus": 1}, "params.bogus"),
+        ({"cpu_threads": -1}, "params.cpu_threads"),
         ({"merge": False, "export": {"quantize": "Q8_0"}}, "params.export"),
     ]
     for over, param in cases:
