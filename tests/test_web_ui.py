@@ -1,6 +1,7 @@
 """The lab UI in headless Chromium against a real gpuvisor with the tiny
 model: pages render, a dataset upload job succeeds, chat streams, a running
 job is cancelled from its page, bad values show next to their fields.
+A job page rides out a parent crash or restart without a reload.
 Screenshots of each page land in the test's temp dir."""
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.browser import DESKTOP, NARROW, PageWatch, launch, require_browser, save_screens
+from tests.browser import (
+    DESKTOP,
+    NARROW,
+    PageWatch,
+    launch,
+    require_browser,
+    save_screens,
+)
 from tests.server import Server
 
 pytestmark = pytest.mark.timeout(90)
@@ -308,5 +318,116 @@ def test_asks_for_the_admin_token_once_on_401(browser: Any, start_server: Any, t
         assert any(auth == f"Bearer {token}" for _, auth in sent)
         assert all(token not in url for url, _ in sent), "the token never goes in a URL"
         assert token not in pg.url
+    finally:
+        context.close()
+
+
+def _running_job_page(browser: Any, start_server: Any, tiny_model_path: Path,
+                      on_job_get: Any = None) -> tuple[Server, Any, Any, PageWatch, str]:
+    """A fresh server with a long sleep job running, and its page open and live."""
+    from tests.server import short_tempdir
+
+    models = short_tempdir("gvm")
+    (models / "tiny.gguf").symlink_to(tiny_model_path)
+    srv = start_server(models)
+    job_id = submit_sleep(srv, steps=2000, step_seconds=0.05, tag="ui-restart")["id"]
+    deadline = time.monotonic() + 20
+    while httpx.get(f"{srv.base_url}/api/jobs/{job_id}", timeout=10).json()["status"] != "running":
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.05)
+    context = browser.new_context(viewport=DESKTOP)
+    context.set_default_timeout(20_000)
+    pg = context.new_page()
+    watch = PageWatch(srv.base_url)
+    watch.attach(pg)
+    if on_job_get is not None:
+        pg.route(f"{srv.base_url}/api/jobs/{job_id}", on_job_get)
+    open_page(pg, srv, f"/jobs/{job_id}")
+    pg.locator(".job-head .badge", has_text="running").wait_for()
+    pg.locator(".stream-state[data-state=live]").wait_for()
+    pg.wait_for_function("() => Number(document.querySelector('.pct')?.textContent.replace('%', '')) > 0")
+    pg.evaluate("() => { window.__marker = 1; }")  # gone if the page reloads
+    return srv, context, pg, watch, job_id
+
+
+def test_job_page_resumes_after_parent_crash(browser: Any, start_server: Any, tiny_model_path: Path) -> None:
+    # The job refresh the page makes once its stream is live is held until
+    # the parent is dead: a request in flight when it dies (seen as a race).
+    held: list[Any] = []
+    seen = {"job_gets": 0}
+
+    def on_job_get(route: Any) -> None:
+        seen["job_gets"] += 1
+        if seen["job_gets"] == 2:
+            held.append(route)
+        else:
+            route.continue_()
+
+    srv, context, pg, watch, job_id = _running_job_page(browser, start_server, tiny_model_path, on_job_get)
+    try:
+        resumes: list[str | None] = []  # the Last-Event-ID of each events request from now on
+        pg.on("request", lambda r: resumes.append(r.headers.get("last-event-id"))
+              if r.url.endswith(f"/api/jobs/{job_id}/events") else None)
+        badge = pg.locator(".job-head .badge").first
+        banner = pg.locator("#connection-banner")
+        action_error = pg.locator(".job-head + div")
+        for _ in range(100):  # the refresh comes 0.3 s after the stream went live
+            if held:
+                break
+            pg.wait_for_timeout(50)
+        assert held, "the page did not refresh the job when its stream went live"
+
+        # A crash cuts the stream (SIGTERM would end it cleanly): the page says
+        # it is reconnecting and keeps what it knew; it neither freezes nor fails.
+        srv.stop(signal.SIGKILL)
+        held[0].continue_()
+        pg.locator(".stream-state[data-state=reconnecting]").wait_for()
+        assert pg.locator(".stream-state").inner_text() == "reconnecting…"
+        banner.wait_for(state="visible")
+        action_error.get_by_text("Could not refresh the job").wait_for()
+        assert badge.inner_text() == "running"
+
+        # Boot recovery marks the job interrupted; the same page resumes its
+        # stream after the last event it had and shows that, without a reload.
+        srv.start()
+        badge.filter(has_text="interrupted").wait_for()
+        pg.locator(".stream-state[data-state=ended]").wait_for()
+        assert pg.locator(".stream-state").inner_text() == "finished"
+        banner.wait_for(state="hidden")
+        action_error.locator(".notice").wait_for(state="detached")
+        assert pg.evaluate("() => window.__marker") == 1, "the page was reloaded"
+        assert "supervisor restarted" in pg.locator("section[aria-label=Status]").inner_text()
+        assert pg.get_by_role("button", name="Delete").is_visible()
+        # Each try after the crash asked only for the events after the last it had.
+        assert resumes and all(x is not None and int(x) > 0 for x in resumes), resumes
+        assert httpx.get(f"{srv.base_url}/api/jobs/{job_id}", timeout=10).json()["status"] == "interrupted"
+        # Refused while the parent was down, and the stream it cut.
+        watch.check(allow=("net::ERR_CONNECTION_REFUSED", "net::ERR_INCOMPLETE_CHUNKED_ENCODING"))
+    finally:
+        context.close()
+
+
+def test_job_page_after_parent_restart(browser: Any, start_server: Any, tiny_model_path: Path) -> None:
+    srv, context, pg, watch, job_id = _running_job_page(browser, start_server, tiny_model_path)
+    try:
+        badge = pg.locator(".job-head .badge").first
+        banner = pg.locator("#connection-banner")
+        # SIGTERM: the job is stopped as interrupted and the stream ends with
+        # that before the parent exits; the page's next requests are refused.
+        srv.stop()
+        badge.filter(has_text="interrupted").wait_for()
+        pg.locator(".stream-state[data-state=ended]").wait_for()
+        assert "supervisor shut down" in pg.locator("section[aria-label=Status]").inner_text()
+        banner.wait_for(state="visible")
+
+        # Back up: the banner goes although this page has nothing left to
+        # fetch, and no error from while it was down stays behind.
+        srv.start()
+        banner.wait_for(state="hidden")
+        assert pg.evaluate("() => window.__marker") == 1, "the page was reloaded"
+        assert badge.inner_text() == "interrupted"
+        assert pg.locator(".job-head + div").inner_text() == ""
+        assert httpx.get(f"{srv.base_url}/api/jobs/{job_id}", timeout=10).json()["status"] == "interrupted"
+        watch.check(allow=("net::ERR_CONNECTION_REFUSED",))
     finally:
         context.close()

@@ -15,13 +15,38 @@ export class ApiError extends Error {
   }
 }
 
-// "online" / "offline" events for the reconnecting banner.
+// "online" / "offline" events for the reconnecting banner. While offline the
+// server is probed now and then, so the banner clears even on a page that has
+// nothing left to fetch (say, a finished job's).
 export const connection = new EventTarget();
+const PROBE_MS = 3000;
 let online = true;
+let probing = false;
 function setOnline(value) {
   if (value === online) return;
   online = value;
   connection.dispatchEvent(new Event(value ? 'online' : 'offline'));
+  if (!value && !probing) probe();
+}
+
+async function probe() {
+  probing = true;
+  while (!online) {
+    await new Promise((resolve) => setTimeout(resolve, PROBE_MS));
+    if (online) break;
+    try {
+      setOnline(!fromProxy(await fetch('healthz', { cache: 'no-store' })));
+    } catch {
+      // still unreachable
+    }
+  }
+  probing = false;
+}
+
+// A proxy in front answers 502/504 with its own page while gpuvisor is down.
+function fromProxy(response) {
+  return (response.status === 502 || response.status === 504)
+    && !(response.headers.get('Content-Type') || '').includes('json');
 }
 
 export function token() {
@@ -106,10 +131,7 @@ export async function send(method, path, { json, body, headers = {}, signal } = 
       setOnline(false);
       throw new ApiError(0, { message: 'cannot reach gpuvisor (network error)', code: 'network_error' });
     }
-    // A proxy in front answers 502/504 with its own page while gpuvisor is down.
-    const fromProxy = (response.status === 502 || response.status === 504)
-      && !(response.headers.get('Content-Type') || '').includes('json');
-    setOnline(!fromProxy);
+    setOnline(!fromProxy(response));
     if (response.ok) return response;
     if (response.status === 401 && attempt === 0) {
       const err = await errorFrom(response);

@@ -146,12 +146,18 @@ export function mount(root, [jobId]) {
     }
   }, 250);
 
+  let refreshError = null; // shown until a refresh works again
   const refreshJob = throttle(async () => {
     try {
       job = await getJson(url());
+      refreshError?.remove();
+      refreshError = null;
       render();
     } catch (err) {
-      replace(actionError, errorBox(err, 'Could not refresh the job'));
+      // A finished job's state came with the stream's end: nothing is stale.
+      if (job && FINISHED.has(job.status)) return;
+      refreshError = errorBox(err, 'Could not refresh the job');
+      replace(actionError, refreshError);
     }
   }, 300);
 
