@@ -31,6 +31,7 @@ log = logging.getLogger("gpuvisor.worker")
 
 EXIT_LOAD_FAILED = 3
 MAX_SOCKET_PATH = 100
+WORKER_LOG_MAX_BYTES = 32 << 20
 
 
 class WorkerState(enum.Enum):
@@ -367,7 +368,9 @@ class WorkerHandle:
         if s.draft_ngram > 0:
             args += ["--draft-ngram", str(s.draft_ngram)]
         env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
-        logfile = open(self.log_dir / f"{_safe(s.model_id)}{'.embed' if s.embedding else ''}.log", "ab")
+        log_path = self.log_dir / f"{_safe(s.model_id)}{'.embed' if s.embedding else ''}.log"
+        _rotate(log_path)
+        logfile = open(log_path, "ab")
         try:
             return await asyncio.create_subprocess_exec(
                 *args, stdin=asyncio.subprocess.PIPE, stdout=logfile, stderr=logfile,
@@ -552,6 +555,16 @@ def _rss(pid: int) -> int:
         return int(psutil.Process(pid).memory_info().rss)
     except psutil.Error:
         return 0  # exited or not visible: the caller sees the exit itself
+
+
+def _rotate(path: Path) -> None:
+    """Keep one previous worker log once it grows past WORKER_LOG_MAX_BYTES
+    (a line per request adds up over months of service)."""
+    try:
+        if path.stat().st_size > WORKER_LOG_MAX_BYTES:
+            path.replace(path.with_name(path.name + ".1"))
+    except FileNotFoundError:
+        pass  # the first start of this model: nothing to rotate
 
 
 def _safe(name: str) -> str:

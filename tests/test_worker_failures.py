@@ -203,3 +203,17 @@ def test_sigterm_stops_the_parent_and_its_workers(tiny_model_path: Path,
     pid = srv.worker()["pid"]
     assert srv.stop(signal.SIGTERM) == 0
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_large_worker_log_is_rotated_when_the_worker_starts(tiny_model_path: Path) -> None:
+    srv = Server(_models(tiny_model_path))
+    logs = srv.state_dir / "logs"
+    logs.mkdir(parents=True)
+    with open(logs / "tiny.log", "wb") as f:
+        f.truncate(33 << 20)  # sparse: past the 32 MiB bound without writing it
+    try:
+        srv.start()
+        assert (logs / "tiny.log.1").stat().st_size == 33 << 20
+        assert (logs / "tiny.log").stat().st_size < 1 << 20  # a fresh log for this worker
+    finally:
+        srv.cleanup()
