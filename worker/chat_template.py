@@ -93,10 +93,40 @@ class ChatRenderer:
         return text
 
 
+class _Arguments(dict[str, Any]):
+    """A tool call's JSON arguments as templates want them either way.
+
+    OpenAI clients send ``arguments`` as a JSON string; Hugging Face templates
+    expect a mapping and often apply ``tojson`` (a string would be encoded
+    twice), while others print it as is. This is the mapping, and prints as
+    the client's original JSON text.
+    """
+
+    def __init__(self, value: dict[str, Any], text: str) -> None:
+        super().__init__(value)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        value = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call  # not JSON: the template gets the text unchanged
+    if not isinstance(value, dict):
+        return call
+    return {**call, "function": {**function, "arguments": _Arguments(value, function["arguments"])}}
+
+
 def _message_dict(msg: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": msg.role, "content": msg.content if msg.content is not None else ""}
     if msg.tool_calls:
-        out["tool_calls"] = msg.tool_calls
+        out["tool_calls"] = [_template_call(call) for call in msg.tool_calls]
     if msg.tool_call_id is not None:
         out["tool_call_id"] = msg.tool_call_id
     if msg.name is not None:
