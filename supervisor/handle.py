@@ -422,7 +422,7 @@ class WorkerHandle:
         match msg:
             case p.Heartbeat() | p.Pong():
                 self.stats = msg.stats
-            case p.Delta():
+            case p.Started() | p.Delta():
                 if self.inflight is not None and self.inflight.id == msg.id:
                     self.inflight.events.put_nowait(msg)
             case p.Done() | p.Tokens() | p.Embeddings():

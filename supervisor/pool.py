@@ -396,15 +396,41 @@ class Generation:
         self._handle = handle
         self._pend = pend
         self._ended = False
+        # An output ``accepted()`` read past the worker's Started, kept for iteration.
+        self._ahead: p.FromWorker | WorkerGone | None = None
+        self._accepted = False
 
     def __aiter__(self) -> Generation:
         return self
+
+    async def accepted(self) -> None:
+        """Wait until the worker takes the request (its prompt fits, prefill
+        begins). A rejection (too long, bad grammar, worker gone) raises here
+        as an ``ApiError``. Cancelling the wait leaves the request queued."""
+        if self._ended or self._accepted:
+            return
+        ev = await self._pend.events.get()
+        self._accepted = True
+        if isinstance(ev, p.Started):
+            return
+        self._ahead = ev
+        if not isinstance(ev, (p.Delta, p.Done)):
+            await self.aclose()
+            raise _as_api_error(ev, self._pend.msg)
+
+    async def _next(self) -> p.FromWorker | WorkerGone:
+        if self._ahead is not None:
+            ev, self._ahead = self._ahead, None
+            return ev
+        while isinstance(ev := await self._pend.events.get(), p.Started):
+            self._accepted = True
+        return ev
 
     async def __anext__(self) -> p.Delta | p.Done:
         if self._ended:
             raise StopAsyncIteration
         try:
-            ev = await self._pend.events.get()
+            ev = await self._next()
         except BaseException:
             await self.aclose()
             raise

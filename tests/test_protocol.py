@@ -28,6 +28,7 @@ STATS = p.WorkerStats(True, 1, 2, 3, 4)
 ALL_FROM_WORKER = [
     p.Hello(p.PROTOCOL_VERSION, 123, p.ModelFacts("/m.gguf", 512, 2048, 300, True, False, "{{x}}")),
     p.LoadFailed(p.PROTOCOL_VERSION, "bad file"),
+    p.Started(1, 12),
     p.Delta(1, "héllo", 2),
     p.Done(1, "length", 10, 5, 3, 0.1, 0.2),
     p.Error(1, "context_length_exceeded", "too long"),

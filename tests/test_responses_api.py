@@ -30,7 +30,7 @@ from supervisor import keys
 from supervisor.app import error_middleware
 from supervisor.config import Config
 from supervisor.db import Database
-from supervisor.errors import ModelNotFound, UpstreamError
+from supervisor.errors import BadRequest, ModelNotFound, UpstreamError
 from supervisor.pool import WorkerPool
 from supervisor.responses import RESPONSES, RESPONSES_SCHEMA, setup
 from supervisor.responses.background import BackgroundTasks
@@ -56,13 +56,40 @@ class Call:
 
 
 @dataclass
+class FakeOutputs:
+    outputs: AsyncGenerator[Delta | Done, None]
+    accept: BaseException | float | None
+    closed: bool = False
+
+    def __aiter__(self) -> FakeOutputs:
+        return self
+
+    async def __anext__(self) -> Delta | Done:
+        return await anext(self.outputs)
+
+    async def accepted(self) -> None:
+        if isinstance(self.accept, BaseException):
+            raise self.accept
+        if self.accept is not None:
+            await asyncio.sleep(self.accept)
+
+    async def aclose(self) -> None:
+        self.closed = True
+        await self.outputs.aclose()
+
+
+@dataclass
 class FakePool:
     """Replays ``script`` for every generate; a float step sleeps that long."""
 
     script: list[Step] = field(default_factory=list)
+    # How the "worker" takes a request: at once (None), after a wait in the
+    # queue (seconds) or by rejecting it (an exception).
+    accept: BaseException | float | None = None
     template: str | None = None
     calls: list[Call] = field(default_factory=list)
     closed: int = 0
+    admitted: list[FakeOutputs] = field(default_factory=list)
 
     def say(self, *texts: str, finish: str = "stop", prompt_tokens: int = 7) -> None:
         self.script = [Delta(0, t, 1) for t in texts]
@@ -73,8 +100,9 @@ class FakePool:
             raise ModelNotFound(f"model {model!r} does not exist", param="model")
         return ModelFacts("x.gguf", 2048, 2048, 300, True, False, self.template)
 
-    async def admit(self, model: str, **kwargs: Any) -> AsyncGenerator[Delta | Done, None]:
-        return self.generate(model, **kwargs)
+    async def admit(self, model: str, **kwargs: Any) -> FakeOutputs:
+        self.admitted.append(FakeOutputs(self.generate(model, **kwargs), self.accept))
+        return self.admitted[-1]
 
     async def generate(
         self,
@@ -334,6 +362,26 @@ async def test_keepalive_during_slow_prefill(api: Api) -> None:
     check_sequence(events)
     assert ": keepalive\n\n" in raw
     assert raw.index(": keepalive") < raw.index("response.output_text.delta")
+
+
+async def test_prompt_the_worker_rejects_is_a_400_before_the_stream(api: Api) -> None:
+    api.pool.accept = BadRequest("the prompt has 9000 tokens; the model's context is 2048",
+                                 code="context_length_exceeded", param="messages")
+    with pytest.raises(openai.BadRequestError) as err:
+        await api.client.responses.create(model=MODEL, input="x", stream=True)
+    assert err.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    assert err.value.body["param"] == "input"  # type: ignore[index]
+    assert [out.closed for out in api.pool.admitted] == [True], "the rejected generation is withdrawn"
+
+
+async def test_a_request_still_queued_streams_after_the_keepalive_interval(api: Api) -> None:
+    # The worker takes it only after 30 s: the stream must not wait for that.
+    api.pool.accept = 30.0
+    started = asyncio.get_running_loop().time()
+    events, _ = await raw_events(api.url, {"model": MODEL, "input": "x"})
+    check_sequence(events)
+    assert events[-1]["type"] == "response.completed"
+    assert asyncio.get_running_loop().time() - started < 10
 
 
 async def test_client_disconnect_cancels_generation(api: Api) -> None:

@@ -236,9 +236,15 @@ def test_prompt_longer_than_the_context(server: Server, client: openai.OpenAI) -
         client.responses.create(model=server.model, input="hello world " * 2000)
     assert err.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
     assert err.value.body["param"] == "input"  # type: ignore[index]
-    events = stream_events(server, {"model": server.model, "input": "hello world " * 2000})
+    # Streamed too: the worker rejects it before prefill, so no 200 is committed.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=server.model, input="hello world " * 2000, stream=True)
+    assert err.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    assert err.value.body["param"] == "input"  # type: ignore[index]
+    # The worker is free again: a normal request streams to the end.
+    events = stream_events(server, {"model": server.model, "input": "hi", "max_output_tokens": 4})
     validate_events(events)
-    assert events[-1]["response"]["error"]["code"] == "context_length_exceeded"
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
 
 
 def test_unknown_previous_response(server: Server, client: openai.OpenAI) -> None:

@@ -22,9 +22,9 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 from worker.chat_template import ChatRenderer, TemplateError
 from worker.detok import Detokenizer
 from worker.grammar_guard import check_grammar, schema_to_grammar
-from worker.protocol import Delta, Done, Error, Generate, ModelFacts, SamplingParams
+from worker.protocol import Delta, Done, Error, Generate, ModelFacts, SamplingParams, Started
 
-Emit = Callable[[Delta | Done | Error], None]
+Emit = Callable[[Started | Delta | Done | Error], None]
 
 CACHE_TYPES = {
     "f16": llama_cpp.GGML_TYPE_F16,
@@ -184,6 +184,7 @@ class Engine:
             return
         if not tokens:
             tokens = [self.llm.token_bos()]
+        emit(Started(req.id, len(tokens)))
         room = n_ctx - len(tokens)
         max_tokens = room if req.params.max_tokens is None else min(req.params.max_tokens, room)
         cached = self._prefill(tokens, cancelled)

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct(">I")
 
@@ -141,6 +141,17 @@ class LoadFailed(msgspec.Struct, tag=True):
     reason: str
 
 
+class Started(msgspec.Struct, tag=True):
+    """The worker took Generate ``id``: its prompt fits, prefill begins.
+
+    Before it, a rejection (too long, bad grammar) can still come as Error;
+    the parent uses it to answer such a request with an HTTP error.
+    """
+
+    id: int
+    prompt_tokens: int
+
+
 class Delta(msgspec.Struct, tag=True):
     id: int
     text: str
@@ -194,7 +205,7 @@ class Heartbeat(msgspec.Struct, tag=True):
     stats: WorkerStats
 
 
-FromWorker = Hello | LoadFailed | Delta | Done | Error | Tokens | Embeddings | Pong | Heartbeat
+FromWorker = Hello | LoadFailed | Started | Delta | Done | Error | Tokens | Embeddings | Pong | Heartbeat
 
 
 # -------------------------------------------------------------------- framing

@@ -38,6 +38,10 @@ class Outputs(Protocol):
 
     def __aiter__(self) -> Outputs: ...
 
+    async def accepted(self) -> None:
+        """Wait until the worker takes it; a rejection raises ``ApiError``."""
+        ...
+
     async def __anext__(self) -> Delta | Done: ...
 
     async def aclose(self) -> None: ...
@@ -176,6 +180,13 @@ async def admit(pool: GenerationPool, model: str, plan: Plan, request_id: str = 
     )
 
 
+def in_responses_terms(exc: BadRequest, plan: Plan) -> BadRequest:
+    """The pool names chat fields; say which Responses field it was."""
+    if exc.param in ("messages", "response_format"):
+        return BadRequest(exc.message, param=plan.blamed(exc.param), code=exc.code)
+    return exc
+
+
 async def run(
     pool: GenerationPool,
     model: str,
@@ -216,9 +227,8 @@ async def run(
             await outputs.aclose()
     except (ModelNotFound, Unavailable, BadRequest) as exc:
         if raise_early and not produced:
-            if isinstance(exc, BadRequest) and exc.param in ("messages", "response_format"):
-                # The pool names chat fields; say which Responses field it was.
-                raise BadRequest(exc.message, param=plan.blamed(exc.param), code=exc.code) from exc
+            if isinstance(exc, BadRequest):
+                raise in_responses_terms(exc, plan) from exc
             raise
         for event in builder.failed(exc.code or "server_error", exc.message):
             yield event

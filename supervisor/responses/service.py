@@ -21,7 +21,7 @@ from supervisor.responses.events import Event, EventBuilder
 from supervisor.responses.items import Item
 from supervisor.responses.models import CreateRequest, ValidRequest
 from supervisor.responses.objects import ResponseObject, new_response, snapshot
-from supervisor.responses.runner import GenerationPool, Outputs, Plan, admit, plan, run
+from supervisor.responses.runner import GenerationPool, Outputs, Plan, admit, in_responses_terms, plan, run
 from supervisor.responses.store import ResponseStore
 
 DEFAULT_KEEPALIVE_S = 10.0
@@ -86,7 +86,25 @@ class ResponsesService:
         generation = await self._plan(valid, history)
         resp = new_response(valid.body, self._clock(), "in_progress")
         outputs = await admit(self.pool, resp.model, generation, resp.id)
+        try:
+            await self._accepted(outputs, generation)
+        except BaseException:
+            await outputs.aclose()
+            raise
         return ResponseStream(self._events(resp, valid, generation, outputs), outputs)
+
+    async def _accepted(self, outputs: Outputs, generation: Plan) -> None:
+        """Wait for the worker to take the request, so a prompt it rejects
+        (too long, a bad grammar) is an HTTP 400 like chat's. Bounded by the
+        keepalive interval, the silence a client sees anyway before the first
+        keepalive: a request still queued then streams, and a later rejection
+        ends the stream in ``response.failed``."""
+        try:
+            await asyncio.wait_for(outputs.accepted(), self.keepalive_s)
+        except TimeoutError:
+            return
+        except BadRequest as exc:
+            raise in_responses_terms(exc, generation) from exc
 
     async def _events(
         self, resp: ResponseObject, valid: ValidRequest, generation: Plan, outputs: Outputs
