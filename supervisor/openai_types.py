@@ -15,6 +15,9 @@ from supervisor.errors import BadRequest
 from supervisor.responses.models import FunctionTool, NamedFunction, ToolChoice
 from worker.protocol import ChatMessage, SamplingParams
 
+# Choices per request (``n``): each is its own generation, one after another.
+MAX_CHOICES = 8
+
 
 class ContentPart(msgspec.Struct):
     type: str
@@ -112,8 +115,8 @@ class Sampling(msgspec.Struct, kw_only=True):
             raise BadRequest(str(exc), param="keep_alive") from exc
 
     def sampling(self, max_tokens: int | None = None) -> SamplingParams:
-        if self.n != 1:
-            raise BadRequest("only n=1 is supported", param="n")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise BadRequest(f"n must be within [1, {MAX_CHOICES}]", param="n")
         for name, value, lo, hi in (("temperature", self.temperature, 0.0, 2.0),
                                     ("top_p", self.top_p, 0.0, 1.0),
                                     ("presence_penalty", self.presence_penalty, -2.0, 2.0),

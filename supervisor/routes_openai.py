@@ -12,35 +12,48 @@ import base64
 import secrets
 import struct
 import time
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from collections.abc import Callable
+from contextlib import AsyncExitStack
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from supervisor.errors import ApiError, BadRequest
 from supervisor.httputil import SseWriter, decode_body, json_response
 from supervisor.keys import POOL
 from supervisor.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
+from supervisor.pool import Generation, WorkerPool
 from supervisor.responses.items import new_id
 from supervisor.responses.parse import OutputParser, Piece, Reasoning, Text, ToolCall
 from supervisor.responses.profile import profile_for
 from supervisor.responses.runner import Plan, tool_plan
-from worker.protocol import Delta, Done
+from worker.protocol import Delta, Done, SamplingParams
 
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 
 
-def _usage(done: Done, reasoning_tokens: int = 0) -> dict[str, Any]:
+def _usage(dones: list[Done], reasoning_tokens: int = 0) -> dict[str, Any]:
+    """Usage of all choices: the prompt counts once, as OpenAI counts it."""
+    prompt = dones[0].prompt_tokens
+    completion = sum(d.completion_tokens for d in dones)
     usage: dict[str, Any] = {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": dones[0].cached_tokens},
     }
     if reasoning_tokens:
         usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return usage
+
+
+def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """Sampling for each of ``n`` choices: a fixed seed advances by one per
+    choice, so the choices differ and the whole reply stays reproducible."""
+    if params.seed is None:
+        return [params] * n
+    return [msgspec.structs.replace(params, seed=params.seed + i) for i in range(n)]
 
 
 def _finish_reason(done: Done, called: bool) -> str:
@@ -115,97 +128,128 @@ class _Shape:
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
-        self.calls = 0  # tool calls streamed so far, each chunk naming its index
+        self.calls: dict[int, int] = {}  # tool calls streamed so far per choice, each chunk naming its index
 
     def _wrap(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def whole(self, pieces: list[Piece], done: Done, reasoning_tokens: int = 0) -> dict[str, Any]:
-        if self.chat:
-            message = chat_message(pieces)
-            choice = {"index": 0, "message": message, "finish_reason": _finish_reason(done, "tool_calls" in message),
-                      "logprobs": None}
-            body = self._wrap("chat.completion", [choice])
-        else:
-            text = "".join(p.text for p in pieces if isinstance(p, Text))
-            body = self._wrap("text_completion", [
-                {"index": 0, "text": text, "finish_reason": _FINISH[done.finish_reason], "logprobs": None}])
-        body["usage"] = _usage(done, reasoning_tokens)
+    def whole(self, replies: list[tuple[list[Piece], Done]], reasoning_tokens: int = 0) -> dict[str, Any]:
+        choices = []
+        for index, (pieces, done) in enumerate(replies):
+            if self.chat:
+                message = chat_message(pieces)
+                choices.append({"index": index, "message": message,
+                                "finish_reason": _finish_reason(done, "tool_calls" in message), "logprobs": None})
+            else:
+                text = "".join(p.text for p in pieces if isinstance(p, Text))
+                choices.append({"index": index, "text": text, "finish_reason": _FINISH[done.finish_reason],
+                                "logprobs": None})
+        body = self._wrap("chat.completion" if self.chat else "text_completion", choices)
+        body["usage"] = _usage([done for _, done in replies], reasoning_tokens)
         return body
 
-    def chunk(self, piece: Piece | None, finish: str | None = None, first: bool = False) -> dict[str, Any]:
+    def chunk(self, index: int, piece: Piece | None, finish: str | None = None, first: bool = False) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if piece is not None:
-                delta.update(chat_delta(piece, self.calls))
+                calls = self.calls.get(index, 0)
+                delta.update(chat_delta(piece, calls))
                 if isinstance(piece, ToolCall):
-                    self.calls += 1
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                    self.calls[index] = calls + 1
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
             return self._wrap("chat.completion.chunk", [choice])
         text = piece.text if isinstance(piece, Text) else ""
         return self._wrap("text_completion",
-                          [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}])
+                          [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}])
 
-    def final_chunk(self, done: Done) -> dict[str, Any]:
-        return self.chunk(None, _finish_reason(done, self.calls > 0))
+    def final_chunk(self, index: int, done: Done) -> dict[str, Any]:
+        return self.chunk(index, None, _finish_reason(done, self.calls.get(index, 0) > 0))
 
-    def usage_chunk(self, done: Done, reasoning_tokens: int = 0) -> dict[str, Any]:
+    def usage_chunk(self, dones: list[Done], reasoning_tokens: int = 0) -> dict[str, Any]:
         body = self._wrap("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = _usage(done, reasoning_tokens)
+        body["usage"] = _usage(dones, reasoning_tokens)
         return body
 
 
-async def _next(events: AsyncGenerator[Delta | Done, None], reply: Reply) -> Delta | Done:
-    try:
-        return await anext(events)
-    except StopAsyncIteration:
-        raise RuntimeError("generation ended without a Done event") from None
-    except BadRequest as exc:
-        raise reply.blamed(exc) from exc
+class _Choice:
+    """One choice's admitted generation and the parsing of its text."""
 
+    def __init__(self, outputs: Generation, reply: Reply) -> None:
+        self.outputs = outputs
+        self.reply = reply
 
-async def _collect(stream: AsyncGenerator[Delta | Done, None], reply: Reply) -> tuple[list[Piece], Done]:
-    pieces: list[Piece] = []
-    async with aclosing(stream) as events:
-        while True:
-            ev = await _next(events, reply)
-            if isinstance(ev, Done):
-                return pieces + reply.finish(), ev
-            pieces += reply.feed(ev)
-
-
-async def _stream(request: web.Request, shape: _Shape, stream: AsyncGenerator[Delta | Done, None],
-                  reply: Reply, include_usage: bool) -> web.StreamResponse:
-    async with aclosing(stream) as events:
-        # Pull the first event before committing to a 200: queue-full, unknown
-        # model and lease refusals still become proper HTTP errors.
-        first = await _next(events, reply)
-        sse = await SseWriter.start(request)
-        if shape.chat:
-            # A forced call has no text: its content stays null, as in a whole reply.
-            await sse.data(shape.chunk(None if reply.forced_call else Text(""), first=True))
+    async def next(self) -> Delta | Done:
         try:
-            ev: Delta | Done = first
-            while True:
-                if isinstance(ev, Done):
-                    for piece in reply.finish():
-                        await sse.data(shape.chunk(piece))
-                    await sse.data(shape.final_chunk(ev))
-                    if include_usage:
-                        await sse.data(shape.usage_chunk(ev, reply.reasoning_tokens))
-                    await sse.raw(b"data: [DONE]\n\n")
-                    break
-                for piece in reply.feed(ev):
-                    await sse.data(shape.chunk(piece))
-                ev = await _next(events, reply)
-        except ApiError as err:
-            # Mid-stream failure: a final error object, then the stream ends.
-            await sse.data(err.body())
-        await sse.close()
-        return sse.response
+            return await anext(self.outputs)
+        except StopAsyncIteration:
+            raise RuntimeError("generation ended without a Done event") from None
+        except BadRequest as exc:
+            raise self.reply.blamed(exc) from exc
+
+    async def collect(self) -> tuple[list[Piece], Done]:
+        pieces: list[Piece] = []
+        while True:
+            ev = await self.next()
+            if isinstance(ev, Done):
+                return pieces + self.reply.finish(), ev
+            pieces += self.reply.feed(ev)
+
+
+async def _admit(stack: AsyncExitStack, pool: WorkerPool, model: str, reply: Callable[[], Reply],
+                 params: list[SamplingParams], **kwargs: Any) -> list[_Choice]:
+    """Queue every choice now, so a refusal (queue full, GPU busy) is an HTTP
+    error for the whole request; leaving the stack withdraws what is left."""
+    choices = []
+    for sampling in params:
+        outputs = await pool.admit(model, params=sampling, **kwargs)
+        stack.push_async_callback(outputs.aclose)
+        choices.append(_Choice(outputs, reply()))
+    return choices
+
+
+async def _stream(request: web.Request, shape: _Shape, choices: list[_Choice],
+                  include_usage: bool) -> web.StreamResponse:
+    # Pull the first event before committing to a 200: a prompt the worker
+    # rejects and a failed load still become proper HTTP errors.
+    ev: Delta | Done = await choices[0].next()
+    sse = await SseWriter.start(request)
+    try:
+        dones = []
+        for index, choice in enumerate(choices):
+            if index:
+                ev = await choice.next()
+            if shape.chat:
+                # A forced call has no text: its content stays null, as in a whole reply.
+                await sse.data(shape.chunk(index, None if choice.reply.forced_call else Text(""), first=True))
+            while not isinstance(ev, Done):
+                for piece in choice.reply.feed(ev):
+                    await sse.data(shape.chunk(index, piece))
+                ev = await choice.next()
+            for piece in choice.reply.finish():
+                await sse.data(shape.chunk(index, piece))
+            await sse.data(shape.final_chunk(index, ev))
+            dones.append(ev)
+        if include_usage:
+            await sse.data(shape.usage_chunk(dones, sum(c.reply.reasoning_tokens for c in choices)))
+        await sse.raw(b"data: [DONE]\n\n")
+    except ApiError as err:
+        # Mid-stream failure: a final error object, then the stream ends.
+        await sse.data(err.body())
+    await sse.close()
+    return sse.response
+
+
+async def _reply(request: web.Request, shape: _Shape, choices: list[_Choice], stream: bool,
+                 include_usage: bool, echo: str | None = None) -> web.StreamResponse:
+    if stream:
+        return await _stream(request, shape, choices, include_usage)
+    replies = [await choice.collect() for choice in choices]
+    if echo is not None:
+        replies = [([Text(echo), *pieces], done) for pieces, done in replies]
+    return json_response(shape.whole(replies, sum(c.reply.reasoning_tokens for c in choices)))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -220,15 +264,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     facts = await pool.facts(req.model)
     plan = tool_plan(messages, params, profile_for(facts.chat_template),
                      tools=tools, choice=choice, parallel=req.parallel_calls)
-    stream = pool.generate(req.model, messages=plan.messages, tools=plan.tools, params=plan.params,
-                           template_vars=plan.template_vars, request_id=request.get("request_id", ""),
-                           keep_alive=keep_alive)
-    shape = _Shape(True, req.model)
-    reply = Reply.of(plan)
-    if req.stream:
-        return await _stream(request, shape, stream, reply, req.include_usage)
-    pieces, done = await _collect(stream, reply)
-    return json_response(shape.whole(pieces, done, reply.reasoning_tokens))
+    async with AsyncExitStack() as stack:
+        choices = await _admit(stack, pool, req.model, lambda: Reply.of(plan), _choice_params(plan.params, req.n),
+                               messages=plan.messages, tools=plan.tools, template_vars=plan.template_vars,
+                               request_id=request.get("request_id", ""), keep_alive=keep_alive)
+        return await _reply(request, _Shape(True, req.model), choices, req.stream, req.include_usage)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -237,16 +277,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params = req.sampling()
     if params.max_tokens is None:
         params.max_tokens = 16  # OpenAI's default for legacy completions
-    stream = request.app[POOL].generate(req.model, prompt=prompt, params=params,
-                                        request_id=request.get("request_id", ""),
-                                        keep_alive=req.keep_alive_s())
-    shape = _Shape(False, req.model)
-    if req.stream:
-        return await _stream(request, shape, stream, Reply(), req.include_usage)
-    pieces, done = await _collect(stream, Reply())
-    if req.echo:
-        pieces.insert(0, Text(prompt))
-    return json_response(shape.whole(pieces, done))
+    async with AsyncExitStack() as stack:
+        choices = await _admit(stack, request.app[POOL], req.model, Reply, _choice_params(params, req.n),
+                               prompt=prompt, request_id=request.get("request_id", ""),
+                               keep_alive=req.keep_alive_s())
+        return await _reply(request, _Shape(False, req.model), choices, req.stream, req.include_usage,
+                            echo=prompt if req.echo else None)
 
 
 async def embeddings(request: web.Request) -> web.Response:

@@ -58,6 +58,42 @@ def test_streamed_chat_matches_the_whole_reply(server: Server, client: openai.Op
     assert len({c.id for c in chunks}) == 1
 
 
+def test_n_choices_whole_and_streamed(server: Server, client: openai.OpenAI) -> None:
+    msgs = [{"role": "user", "content": "Pick a word"}]
+    kwargs = dict(model=server.model, messages=msgs, max_tokens=12, extra_body={"ignore_eos": True})
+    one = client.chat.completions.create(temperature=0, **kwargs)  # type: ignore[call-overload]
+    # Sampled with a seed: the choices differ from each other, and the same
+    # request gives the same choices again.
+    sampled = client.chat.completions.create(n=3, temperature=1.0, seed=7, **kwargs)  # type: ignore[call-overload]
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" and c.message.role == "assistant" for c in sampled.choices)
+    texts = [c.message.content for c in sampled.choices]
+    assert len(set(texts)) > 1, texts
+    assert sampled.usage is not None and one.usage is not None
+    assert sampled.usage.completion_tokens == 36
+    assert sampled.usage.prompt_tokens == one.usage.prompt_tokens, "the prompt counts once"
+    # Greedy choices streamed: each index carries its own text, role and finish.
+    greedy = client.chat.completions.create(n=2, temperature=0, **kwargs)  # type: ignore[call-overload]
+    assert [c.message.content for c in greedy.choices] == [one.choices[0].message.content] * 2
+    chunks = list(client.chat.completions.create(  # type: ignore[call-overload]
+        n=2, temperature=0, stream=True, stream_options={"include_usage": True}, **kwargs))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == one.choices[0].message.content
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
+    # Text completions take n too, and echo prefixes every choice.
+    out = client.completions.create(model=server.model, prompt="Once", max_tokens=4, n=2, echo=True,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1]
+    assert all(c.text.startswith("Once") and len(c.text) > 4 for c in out.choices)
+    for bad in (0, 9):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(n=bad, **kwargs)  # type: ignore[call-overload]
+        assert err.value.body["param"] == "n"  # type: ignore[index]
+
+
 def test_stop_string_ends_the_reply_before_it(server: Server, client: openai.OpenAI) -> None:
     base = client.chat.completions.create(
         model=server.model, messages=[{"role": "user", "content": "go"}], temperature=0,

@@ -93,6 +93,9 @@ class ScriptedPool:
     async def facts(self, model: str) -> ModelFacts:
         return ModelFacts("x.gguf", 2048, 2048, 300, True, False, self.template)
 
+    async def admit(self, model: str, **kwargs: Any) -> AsyncGenerator[Delta | Done, None]:
+        return self.generate(model, **kwargs)
+
     async def generate(self, model: str, **kwargs: Any) -> AsyncGenerator[Delta | Done, None]:
         self.asked.append(kwargs)
         if self.error is not None:
