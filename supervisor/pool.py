@@ -1,6 +1,6 @@
 """The worker pool: one WorkerHandle per (model, mode), and the request API.
 
-Route handlers call :meth:`WorkerPool.generate` / ``embed`` / ``tokenize``;
+Route handlers call :meth:`WorkerPool.admit` / ``embed`` / ``tokenize``;
 worker-side failures come back as typed :mod:`supervisor.errors` exceptions.
 The pool decides nothing about the GPU by itself: before admitting a request
 it asks the lease (``admission``) whether model workers may run on the device.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -312,15 +312,6 @@ class WorkerPool:
         msg = p.Generate(0, params or p.SamplingParams(), messages, prompt, tools,
                          template_vars or {}, request_id)
         return Generation(self, model, handle, self._submit(handle, msg))
-
-    async def generate(self, model: str, **kwargs: Any) -> AsyncGenerator[p.Delta | p.Done, None]:
-        """Stream one completion (see ``admit``); leaving early cancels it."""
-        gen = await self.admit(model, **kwargs)
-        try:
-            async for ev in gen:
-                yield ev
-        finally:
-            await gen.aclose()
 
     async def _call(self, model: str, embedding: bool, msg: p.Embed | p.Tokenize) -> p.FromWorker:
         handle = await self.load(model, embedding)
