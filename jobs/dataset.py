@@ -5,6 +5,10 @@ converts each row to ``{"messages": [...]}``, drops exact duplicates, splits
 train/eval with a seeded shuffle and writes both files atomically into the
 datasets dir. Bad rows never stop the job: they are counted, and the first
 ``max_bad_rows`` are reported with their line (or item) numbers.
+
+Kept rows go to a spill file beside the outputs as they are read, and only
+their offsets, sizes and a digest each stay in memory, so a file far larger
+than RAM can be prepared (a JSON array is the exception: it is parsed whole).
 """
 
 from __future__ import annotations
@@ -13,13 +17,14 @@ import csv
 import hashlib
 import json
 import os
-import random
-import statistics
 import time
+from array import array
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from jobs.context import JobContext, JobError, check_stop
 from jobs.events import JobIO
@@ -105,8 +110,11 @@ def _parquet(path: Path, progress: _Progress) -> Iterator[Raw]:
         import pyarrow.parquet as pq  # optional dependency
     except ImportError as exc:
         raise JobError("reading Parquet needs pyarrow, which is not installed") from exc
-    table = pq.read_table(path)
-    yield from enumerate(table.to_pylist(), start=1)
+    n = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            n += 1
+            yield n, row
 
 
 _READERS = {
@@ -126,14 +134,53 @@ def read_rows(path: Path, progress: _Progress) -> tuple[str, Iterator[Raw]]:
 # ------------------------------------------------------------------ conversion
 
 
+class _Spill:
+    """Kept rows as output lines in a temp file, found again by offset."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = path.open("w+b")
+        self._end = 0
+        self.offsets = array("Q")
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def append(self, msgs: list[dict[str, str]]) -> None:
+        line = json.dumps({"messages": msgs}, ensure_ascii=False).encode() + b"\n"
+        self.offsets.append(self._end)
+        self._file.write(line)
+        self._end += len(line)
+
+    def line(self, i: int) -> bytes:
+        self._file.flush()
+        start = self.offsets[i]
+        end = self.offsets[i + 1] if i + 1 < len(self.offsets) else self._end
+        # pread: no seek, so the file's buffer is not thrown away each row.
+        return os.pread(self._file.fileno(), end - start, start)
+
+    def rows(self) -> Iterator[list[dict[str, str]]]:
+        self._file.seek(0)
+        for line in self._file:
+            yield json.loads(line)["messages"]
+
+    def close(self) -> None:
+        self._file.close()
+        self.path.unlink(missing_ok=True)
+
+
 class _Collector:
-    def __init__(self, params: DatasetParams, where: str) -> None:
+    def __init__(self, params: DatasetParams, where: str, spill: _Spill) -> None:
         self.params = params
         self.where = where
-        self.rows: list[list[dict[str, str]]] = []
+        self.rows = spill
         self.seen: set[bytes] = set()
         self.read = self.bad = self.duplicates = 0
         self.bad_rows: list[dict[str, Any]] = []
+        # Per kept row, for the stats: message count and characters.
+        self.roles: Counter[str] = Counter()
+        self.messages = array("Q")
+        self.chars = array("Q")
 
     def add_bad(self, n: int, error: str) -> None:
         self.bad += 1
@@ -157,9 +204,12 @@ class _Collector:
                 return
             self.seen.add(key)
         self.rows.append(msgs)
+        self.roles.update(m["role"] for m in msgs)
+        self.messages.append(len(msgs))
+        self.chars.append(sum(len(m["content"]) for m in msgs))
 
 
-def collect(io: JobIO, params: DatasetParams, path: Path) -> tuple[_Collector, str]:
+def collect(io: JobIO, params: DatasetParams, path: Path, spill: _Spill) -> tuple[_Collector, str]:
     progress = _Progress(io)
     where, rows = read_rows(path, progress)
     fmt: str = params.format
@@ -174,7 +224,7 @@ def collect(io: JobIO, params: DatasetParams, path: Path) -> tuple[_Collector, s
             raise JobError("could not detect the format; name it with the format param")
         fmt = found
         io.log(f"detected format: {fmt}")
-    col = _Collector(params, where)
+    col = _Collector(params, where, spill)
     for i, (n, row) in enumerate(_chain(pending, rows)):
         if i % 1000 == 0:
             check_stop(io, f"after {i} rows")
@@ -190,29 +240,30 @@ def _chain(first: list[Raw], rest: Iterator[Raw]) -> Iterator[Raw]:
 # ------------------------------------------------------------------ stats
 
 
-def _dist(values: list[int]) -> dict[str, float]:
+def _dist(values: array[int]) -> dict[str, float]:
     if not values:
         return {"min": 0, "max": 0, "mean": 0.0, "p50": 0, "p95": 0, "total": 0}
-    s = sorted(values)
+    s = np.sort(np.frombuffer(values, dtype=np.uint64))
+    n = len(s)
     return {
-        "min": s[0],
-        "max": s[-1],
-        "mean": round(statistics.fmean(s), 2),
-        "p50": s[len(s) // 2],
-        "p95": s[min(len(s) - 1, int(len(s) * 0.95))],
-        "total": sum(s),
+        "min": int(s[0]),
+        "max": int(s[-1]),
+        "mean": round(float(s.mean()), 2),
+        "p50": int(s[n // 2]),
+        "p95": int(s[min(n - 1, int(n * 0.95))]),
+        "total": int(s.sum()),
     }
 
 
-def token_counts(io: JobIO, model_path: str, rows: list[list[dict[str, str]]]) -> list[int]:
+def token_counts(io: JobIO, model_path: str, rows: _Spill) -> array[int]:
     """Tokens per row with the model's own tokenizer (message contents only)."""
     import llama_cpp  # only in the job process
 
     io.stage("tokenizing")
     llm = llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=False)
-    counts = []
+    counts = array("Q")
     progress = _Progress(io)
-    for i, msgs in enumerate(rows):
+    for i, msgs in enumerate(rows.rows()):
         counts.append(
             sum(len(llm.tokenize(m["content"].encode(), add_bos=False, special=False)) for m in msgs)
         )
@@ -222,12 +273,11 @@ def token_counts(io: JobIO, model_path: str, rows: list[list[dict[str, str]]]) -
     return counts
 
 
-def stats(rows: list[list[dict[str, str]]], tokens: list[int] | None) -> dict[str, Any]:
-    roles: Counter[str] = Counter(m["role"] for msgs in rows for m in msgs)
+def stats(col: _Collector, tokens: array[int] | None) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "roles": dict(roles),
-        "messages_per_row": _dist([len(msgs) for msgs in rows]),
-        "chars": _dist([sum(len(m["content"]) for m in msgs) for msgs in rows]),
+        "roles": dict(col.roles),
+        "messages_per_row": _dist(col.messages),
+        "chars": _dist(col.chars),
     }
     if tokens is not None:
         out["tokens"] = _dist(tokens)
@@ -237,9 +287,8 @@ def stats(rows: list[list[dict[str, str]]], tokens: list[int] | None) -> dict[st
 # ------------------------------------------------------------------ output
 
 
-def split(n: int, ratio: float, seed: int) -> tuple[list[int], list[int]]:
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
+def split(n: int, ratio: float, seed: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    order = np.random.default_rng(seed).permutation(n)
     n_eval = round(n * ratio)
     if ratio > 0 and n >= 2:
         n_eval = max(1, min(n_eval, n - 1))
@@ -248,12 +297,12 @@ def split(n: int, ratio: float, seed: int) -> tuple[list[int], list[int]]:
     return order[n_eval:], order[:n_eval]
 
 
-def write_jsonl(path: Path, rows: list[list[dict[str, str]]], order: list[int], job_id: str) -> None:
+def write_jsonl(path: Path, rows: _Spill, order: np.ndarray[Any, Any], job_id: str) -> None:
     tmp = path.with_name(f".{path.name}.{job_id}.tmp")
     try:
-        with tmp.open("w", encoding="utf-8") as f:
+        with tmp.open("wb") as f:
             for i in order:
-                f.write(json.dumps({"messages": rows[i]}, ensure_ascii=False) + "\n")
+                f.write(rows.line(int(i)))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -265,18 +314,28 @@ def run(io: JobIO, params: JobParams, ctx: JobContext) -> dict[str, Any]:
     if not isinstance(params, DatasetParams) or params.output_name is None:
         raise JobError("dataset needs resolved DatasetParams")
     path = Path(params.input)
+    train_path, eval_path = dataset_outputs(Path(ctx.datasets_dir), params.output_name)
+    spill = _Spill(train_path.with_name(f".{params.output_name}.{ctx.job_id}.rows.tmp"))
+    try:
+        return _prepare(io, params, ctx, path, spill, (train_path, eval_path))
+    finally:
+        spill.close()
+
+
+def _prepare(io: JobIO, params: DatasetParams, ctx: JobContext, path: Path, spill: _Spill,
+             outputs: tuple[Path, Path]) -> dict[str, Any]:
     io.stage("reading")
-    col, fmt = collect(io, params, path)
+    col, fmt = collect(io, params, path, spill)
     io.log(f"{col.read} rows read, {col.bad} bad, {col.duplicates} duplicates")
-    if not col.rows:
+    if not len(spill):
         raise JobError(f"no usable rows in {path.name} ({col.bad} bad)")
-    tokens = token_counts(io, params.model, col.rows) if params.model else None
+    tokens = token_counts(io, params.model, spill) if params.model else None
     check_stop(io, "before writing")
     io.stage("writing")
-    train_idx, eval_idx = split(len(col.rows), params.eval_ratio, params.seed)
-    train_path, eval_path = dataset_outputs(Path(ctx.datasets_dir), params.output_name)
-    write_jsonl(train_path, col.rows, train_idx, ctx.job_id)
-    write_jsonl(eval_path, col.rows, eval_idx, ctx.job_id)
+    train_idx, eval_idx = split(len(spill), params.eval_ratio, params.seed)
+    train_path, eval_path = outputs
+    write_jsonl(train_path, spill, train_idx, ctx.job_id)
+    write_jsonl(eval_path, spill, eval_idx, ctx.job_id)
     io.progress(1.0, message=f"wrote {len(train_idx)} train and {len(eval_idx)} eval rows")
     return {
         "train_path": str(train_path),
@@ -284,13 +343,13 @@ def run(io: JobIO, params: JobParams, ctx: JobContext) -> dict[str, Any]:
         "format": fmt,
         "rows": {
             "read": col.read,
-            "valid": len(col.rows) + col.duplicates,
+            "valid": len(spill) + col.duplicates,
             "bad": col.bad,
             "duplicates": col.duplicates,
-            "kept": len(col.rows),
+            "kept": len(spill),
             "train": len(train_idx),
             "eval": len(eval_idx),
         },
         "bad_rows": col.bad_rows,
-        "stats": stats(col.rows, tokens),
+        "stats": stats(col, tokens),
     }

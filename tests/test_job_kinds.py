@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -91,6 +92,24 @@ def test_dataset_formats(tmp_path: Path, name: str, content: str, fmt: str, kept
     assert result["format"] == fmt and result["rows"]["kept"] == kept
 
 
+def test_dataset_from_parquet_in_batches(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    roots = make_roots(tmp_path)
+    rows = [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(2500)] + [{"instruction": "no answer"}]
+    # Small row groups: the job reads the file batch by batch across them.
+    pq.write_table(pa.Table.from_pylist(rows), roots.datasets / "p.parquet", row_group_size=1000)
+    params = validate_params("dataset", {"input": "p.parquet", "eval_ratio": 0.0}, ResolveContext(roots))
+    events = run_job_process("dataset", params_dict(params), roots)
+    assert events[-1]["type"] == "done", events[-3:]
+    result = events[-1]["data"]["result"]
+    assert result["format"] == "alpaca" and result["rows"]["kept"] == 2500
+    assert result["bad_rows"][0]["item"] == 2501
+    first = json.loads(Path(result["train_path"]).read_text().splitlines()[0])
+    assert [m["role"] for m in first["messages"]] == ["user", "assistant"]
+
+
 def test_params_validation_and_roots(tmp_path: Path) -> None:
     roots = make_roots(tmp_path / "r")
     ctx = ResolveContext(roots)
@@ -123,8 +142,37 @@ def test_params_validation_and_roots(tmp_path: Path) -> None:
     assert e.value.param == "params.type"
 
 
+def test_dataset_memory_stays_flat_as_the_input_grows(tmp_path: Path) -> None:
+    roots = make_roots(tmp_path)
+    sizes = {"small.jsonl": 1000, "large.jsonl": 21000}
+    for name, rows in sizes.items():
+        with (roots.datasets / name).open("w") as f:
+            for i in range(rows):
+                f.write(json.dumps({"instruction": f"question {i} " + "q" * 1500,
+                                    "output": f"answer {i} " + "a" * 1500}) + "\n")
+    peaks = {}
+    for name, rows in sizes.items():
+        params = validate_params("dataset", {"input": name, "eval_ratio": 0.1, "seed": 3}, ResolveContext(roots))
+        events, peaks[name] = run_job_measured("dataset", params_dict(params), roots)
+        assert events[-1]["type"] == "done", events[-3:]
+        result = events[-1]["data"]["result"]
+        assert result["rows"]["kept"] == rows
+        written = [Path(result[k]).read_bytes().count(b"\n") for k in ("train_path", "eval_path")]
+        assert sum(written) == rows and written[1] == round(rows * 0.1)
+    assert sorted(p.name for p in roots.datasets.iterdir() if p.name.startswith(".")) == [], "no spill file left"
+    # 60 MB more input: with every row held in memory the job grew by more than that.
+    grown = peaks["large.jsonl"] - peaks["small.jsonl"]
+    more_input = (roots.datasets / "large.jsonl").stat().st_size - (roots.datasets / "small.jsonl").stat().st_size
+    assert grown < more_input * 0.25, f"peak RSS grew {grown >> 20} MiB for {more_input >> 20} MiB more input"
+
+
 def run_job_process(kind: str, params: dict[str, object], roots: Roots) -> list[dict[str, Any]]:
     """Run ``python -m jobs <kind>`` directly, holding stdin open like the runner."""
+    return run_job_measured(kind, params, roots)[0]
+
+
+def run_job_measured(kind: str, params: dict[str, object], roots: Roots) -> tuple[list[dict[str, Any]], int]:
+    """``run_job_process``, and the job's peak RSS in bytes."""
     ctx = {"job_id": "job_t", "models_dir": str(roots.models),
            "datasets_dir": str(roots.datasets), "outputs_dir": str(roots.outputs)}
     proc = subprocess.Popen([sys.executable, "-m", "jobs", kind], stdin=subprocess.PIPE,
@@ -139,8 +187,10 @@ def run_job_process(kind: str, params: dict[str, object], roots: Roots) -> list[
             if events[-1]["type"] in ("done", "failed"):
                 break
     proc.stdin.close()
-    proc.wait(timeout=30)
-    return events
+    # wait4 reports this one child's own peak RSS (KiB on Linux).
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return events, usage.ru_maxrss * 1024
 
 
 LOAD_AND_GENERATE = textwrap.dedent(
