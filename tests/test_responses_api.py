@@ -1,9 +1,9 @@
 """The Responses API over real HTTP and real SQLite, with a scripted pool.
 
-The pool is the only fake: it replays deltas, errors and delays, so event
-order, storage, background runs, keepalives and failures are tested exactly
-and fast. The same behaviour against the real worker is in
-``test_responses_e2e.py``.
+The pool is the only fake (``tests/responses_fake.py``): it replays deltas,
+errors and delays, so event order, storage, background runs, keepalives and
+failures are tested exactly and fast. The same behaviour against the real
+worker is in ``test_responses_e2e.py``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,104 +30,19 @@ from supervisor import keys
 from supervisor.app import error_middleware
 from supervisor.config import Config
 from supervisor.db import Database
-from supervisor.errors import BadRequest, ModelNotFound, UpstreamError
+from supervisor.errors import BadRequest, UpstreamError
 from supervisor.pool import WorkerPool
 from supervisor.responses import RESPONSES, RESPONSES_SCHEMA, setup
 from supervisor.responses.background import BackgroundTasks
 from supervisor.responses.models import CreateRequest, decode_items
 from supervisor.responses.objects import new_response
 from supervisor.responses.store import ResponseStore
-from worker.protocol import ChatMessage, Delta, Done, ModelFacts, SamplingParams
+from tests.responses_fake import MODEL, FakePool
+from worker.protocol import ChatMessage, Delta, Done
 
-MODEL = "fake"
 EVENT = TypeAdapter(ResponseStreamEvent)
 ITEM = TypeAdapter(ResponseItem)
 THINK_TOOLS_TEMPLATE = "{{ messages }}{% if enable_thinking %}<think>{% endif %}<tool_call>"
-
-Step = Delta | Done | BaseException | float
-
-
-@dataclass
-class Call:
-    messages: list[ChatMessage]
-    tools: list[dict[str, Any]] | None
-    params: SamplingParams
-    template_vars: dict[str, Any]
-
-
-@dataclass
-class FakeOutputs:
-    outputs: AsyncGenerator[Delta | Done, None]
-    accept: BaseException | float | None
-    closed: bool = False
-
-    def __aiter__(self) -> FakeOutputs:
-        return self
-
-    async def __anext__(self) -> Delta | Done:
-        return await anext(self.outputs)
-
-    async def accepted(self) -> None:
-        if isinstance(self.accept, BaseException):
-            raise self.accept
-        if self.accept is not None:
-            await asyncio.sleep(self.accept)
-
-    async def aclose(self) -> None:
-        self.closed = True
-        await self.outputs.aclose()
-
-
-@dataclass
-class FakePool:
-    """Replays ``script`` for every generate; a float step sleeps that long."""
-
-    script: list[Step] = field(default_factory=list)
-    # How the "worker" takes a request: at once (None), after a wait in the
-    # queue (seconds) or by rejecting it (an exception).
-    accept: BaseException | float | None = None
-    template: str | None = None
-    calls: list[Call] = field(default_factory=list)
-    closed: int = 0
-    admitted: list[FakeOutputs] = field(default_factory=list)
-
-    def say(self, *texts: str, finish: str = "stop", prompt_tokens: int = 7) -> None:
-        self.script = [Delta(0, t, 1) for t in texts]
-        self.script.append(Done(0, finish, prompt_tokens, len(texts), cached_tokens=2))  # type: ignore[arg-type]
-
-    async def facts(self, model: str) -> ModelFacts:
-        if model != MODEL:
-            raise ModelNotFound(f"model {model!r} does not exist", param="model")
-        return ModelFacts("x.gguf", 2048, 2048, 300, True, False, self.template)
-
-    async def admit(self, model: str, **kwargs: Any) -> FakeOutputs:
-        self.admitted.append(FakeOutputs(self.generate(model, **kwargs), self.accept))
-        return self.admitted[-1]
-
-    async def generate(
-        self,
-        model: str,
-        *,
-        messages: list[ChatMessage] | None = None,
-        prompt: str | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        params: SamplingParams | None = None,
-        template_vars: dict[str, Any] | None = None,
-        request_id: str = "",
-    ) -> AsyncGenerator[Delta | Done, None]:
-        assert messages is not None and params is not None
-        self.calls.append(Call(messages, tools, params, template_vars or {}))
-        try:
-            for step in self.script:
-                if isinstance(step, float):
-                    await asyncio.sleep(step)
-                elif isinstance(step, BaseException):
-                    raise step
-                else:
-                    yield step
-        finally:
-            self.closed += 1
-
 
 @dataclass
 class Api:
