@@ -152,8 +152,11 @@ class _Spill:
         self._file.write(line)
         self._end += len(line)
 
-    def line(self, i: int) -> bytes:
+    def written(self) -> None:
+        """All rows are in: make them readable by offset."""
         self._file.flush()
+
+    def line(self, i: int) -> bytes:
         start = self.offsets[i]
         end = self.offsets[i + 1] if i + 1 < len(self.offsets) else self._end
         # pread: no seek, so the file's buffer is not thrown away each row.
@@ -326,6 +329,7 @@ def _prepare(io: JobIO, params: DatasetParams, ctx: JobContext, path: Path, spil
              outputs: tuple[Path, Path]) -> dict[str, Any]:
     io.stage("reading")
     col, fmt = collect(io, params, path, spill)
+    spill.written()
     io.log(f"{col.read} rows read, {col.bad} bad, {col.duplicates} duplicates")
     if not len(spill):
         raise JobError(f"no usable rows in {path.name} ({col.bad} bad)")
