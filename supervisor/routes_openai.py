@@ -8,6 +8,7 @@ template thinks, calls become ``tool_calls`` and ``<think>`` text becomes
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import secrets
 import struct
@@ -21,7 +22,7 @@ from aiohttp import web
 
 from supervisor.errors import ApiError, BadRequest
 from supervisor.httputil import SseWriter, decode_body, json_response
-from supervisor.keys import POOL
+from supervisor.keys import CONFIG, POOL
 from supervisor.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
 from supervisor.pool import Generation, WorkerPool
 from supervisor.responses.items import new_id
@@ -210,13 +211,32 @@ async def _admit(stack: AsyncExitStack, pool: WorkerPool, model: str, reply: Cal
     return choices
 
 
+async def _start(request: web.Request, choice: _Choice,
+                 keepalive_s: float) -> tuple[SseWriter, asyncio.Future[Delta | Done]]:
+    """Commit to a 200 once the first event is in, so a prompt the worker
+    rejects or a failed load is still an HTTP error. A prefill longer than
+    ``keepalive_s`` commits anyway and sends keepalive comments, so a proxy's
+    read timeout does not cut a request with a long prompt."""
+    first = asyncio.ensure_future(choice.next())
+    try:
+        sse = None
+        if not (await asyncio.wait({first}, timeout=keepalive_s))[0]:
+            sse = await SseWriter.start(request)
+            while not (await asyncio.wait({first}, timeout=keepalive_s))[0]:
+                await sse.comment()
+        else:
+            first.result()  # a rejection raises here, before the 200
+            sse = await SseWriter.start(request)
+    finally:
+        first.cancel()  # only still running when the client left: withdraws the request
+    return sse, first
+
+
 async def _stream(request: web.Request, shape: _Shape, choices: list[_Choice],
                   include_usage: bool) -> web.StreamResponse:
-    # Pull the first event before committing to a 200: a prompt the worker
-    # rejects and a failed load still become proper HTTP errors.
-    ev: Delta | Done = await choices[0].next()
-    sse = await SseWriter.start(request)
+    sse, first = await _start(request, choices[0], request.app[CONFIG].responses_keepalive_s)
     try:
+        ev = first.result()  # a failure after a long prefill: the stream's error object
         dones = []
         for index, choice in enumerate(choices):
             if index:

@@ -8,8 +8,10 @@ helper and multi-turn histories end to end.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -89,6 +91,7 @@ class ScriptedPool:
     template: str | None = None
     asked: list[dict[str, Any]] = field(default_factory=list)
     error: BadRequest | None = None
+    delay: float = 0.0  # a slow prefill: seconds before the first output (or the error)
 
     async def facts(self, model: str) -> ModelFacts:
         return ModelFacts("x.gguf", 2048, 2048, 300, True, False, self.template)
@@ -98,6 +101,7 @@ class ScriptedPool:
 
     async def generate(self, model: str, **kwargs: Any) -> AsyncGenerator[Delta | Done, None]:
         self.asked.append(kwargs)
+        await asyncio.sleep(self.delay)
         if self.error is not None:
             raise self.error
         for text in self.texts:
@@ -105,19 +109,26 @@ class ScriptedPool:
         yield Done(0, self.finish, 9, len(self.texts))  # type: ignore[arg-type]
 
 
-@pytest.fixture
-async def scripted(tmp_path: Any) -> AsyncIterator[tuple[ScriptedPool, str]]:
-    pool = ScriptedPool()
+@asynccontextmanager
+async def serving(pool: ScriptedPool, state_dir: Any, keepalive_s: float = 10.0) -> AsyncIterator[str]:
+    """The chat routes over the scripted pool on a real socket; yields the chat URL."""
     app = web.Application(middlewares=[error_middleware])
-    app[keys.CONFIG] = Config(state_dir=str(tmp_path), max_body_bytes=1 << 20)
+    app[keys.CONFIG] = Config(state_dir=str(state_dir), max_body_bytes=1 << 20, responses_keepalive_s=keepalive_s)
     app[keys.POOL] = cast(WorkerPool, pool)
     add_routes(app)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     try:
-        yield pool, str(server.make_url("/v1/chat/completions"))
+        yield str(server.make_url("/v1/chat/completions"))
     finally:
         await server.close()
+
+
+@pytest.fixture
+async def scripted(tmp_path: Any) -> AsyncIterator[tuple[ScriptedPool, str]]:
+    pool = ScriptedPool()
+    async with serving(pool, tmp_path) as url:
+        yield pool, url
 
 
 async def post(url: str, body: dict[str, Any]) -> httpx.Response:
@@ -134,6 +145,29 @@ async def stream_chunks(url: str, body: dict[str, Any]) -> list[ChatCompletionCh
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunks.append(ChatCompletionChunk.model_validate_json(line[6:]))
     return chunks
+
+
+async def test_a_long_prefill_streams_keepalives_until_the_first_token(tmp_path: Any) -> None:
+    # A proxy's read timeout would cut a silent stream: past the keepalive
+    # interval the 200 is committed and comments flow until the model speaks.
+    pool = ScriptedPool(texts=["Hel", "lo"], delay=0.4)
+    body = {"model": "m", "messages": ASK, "stream": True}
+    async with serving(pool, tmp_path, keepalive_s=0.05) as url, httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(url, json=body)
+        assert r.status_code == 200
+        assert r.text.index(": keepalive") < r.text.index("data: ")
+        chunks = [ChatCompletionChunk.model_validate_json(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert accumulate(chunks).choices[0].message.content == "Hello"
+        # A rejection after that point can only be the stream's error object.
+        pool.error = BadRequest("the prompt is too long", code="context_length_exceeded", param="messages")
+        r = await client.post(url, json=body)
+        assert r.status_code == 200 and ": keepalive" in r.text
+        assert '"code":"context_length_exceeded"' in r.text
+        # A quick rejection is still an HTTP error.
+        pool.delay = 0.0
+        r = await client.post(url, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
 def accumulate(chunks: list[ChatCompletionChunk]) -> ChatCompletion:
