@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.demo_model import write_tiny_gguf
-from tests.server import Server, short_tempdir
+from tests.server import Server, running, short_tempdir
 
 
 @pytest.fixture(scope="session")
@@ -18,11 +18,8 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(tiny_model_path: Path) -> Iterator[Server]:
     models = short_tempdir("gvm")
     (models / "tiny.gguf").symlink_to(tiny_model_path)
-    srv = Server(models).start()
-    try:
+    with running(Server(models)) as srv:
         yield srv
-    finally:
-        srv.cleanup()
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server import REPO, Server, short_tempdir
+from tests.server import REPO, Server, running, short_tempdir
 
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
 PROXY_ADDR = "127.0.0.2"  # nginx talks to gpuvisor from here: the one trusted address
@@ -86,13 +86,9 @@ def _free_port() -> int:
 def backend(tiny_model_path: Path) -> Iterator[Server]:
     models = short_tempdir("gvm")
     (models / "tiny.gguf").symlink_to(tiny_model_path)
-    srv = Server(models, env={"GPUVISOR_N_CTX": "4096", "GPUVISOR_TRUSTED_PROXIES": PROXY_ADDR,
-                              "GPUVISOR_LOG_FORMAT": "json"})
-    srv.start()
-    try:
+    env = {"GPUVISOR_N_CTX": "4096", "GPUVISOR_TRUSTED_PROXIES": PROXY_ADDR, "GPUVISOR_LOG_FORMAT": "json"}
+    with running(Server(models, env=env)) as srv:
         yield srv
-    finally:
-        srv.cleanup()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -152,3 +154,13 @@ class Server:
     def cleanup(self) -> None:
         self.stop(signal.SIGKILL if self.proc is not None and self.proc.poll() is None else signal.SIGTERM)
         shutil.rmtree(self.state_dir, ignore_errors=True)
+
+
+@contextmanager
+def running(srv: Server) -> Iterator[Server]:
+    """``srv`` started, then stopped and its state removed, even when the
+    start itself fails (a server that never became ready is not left behind)."""
+    try:
+        yield srv.start()
+    finally:
+        srv.cleanup()

@@ -20,7 +20,7 @@ from supervisor.auth import (
     parse_config_keys,
     verify_secret,
 )
-from tests.server import REPO, Server, short_tempdir
+from tests.server import REPO, Server, running, short_tempdir
 
 ADMIN = "admin-token-for-tests-0123456789"
 
@@ -33,12 +33,8 @@ def gpuvisor(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def secured() -> Iterator[Server]:
     # No model: these tests never generate, so no worker is started.
-    srv = Server(short_tempdir("gvm"), env={"GPUVISOR_ADMIN_TOKEN": ADMIN})
-    srv.start()
-    try:
+    with running(Server(short_tempdir("gvm"), env={"GPUVISOR_ADMIN_TOKEN": ADMIN})) as srv:
         yield srv
-    finally:
-        srv.cleanup()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.server import Server, short_tempdir
+from tests.server import Server, running, short_tempdir
 
 LONG = {"GPUVISOR_N_CTX": "16384"}
 
@@ -211,9 +211,6 @@ def test_a_large_worker_log_is_rotated_when_the_worker_starts(tiny_model_path: P
     logs.mkdir(parents=True)
     with open(logs / "tiny.log", "wb") as f:
         f.truncate(33 << 20)  # sparse: past the 32 MiB bound without writing it
-    try:
-        srv.start()
+    with running(srv):
         assert (logs / "tiny.log.1").stat().st_size == 33 << 20
         assert (logs / "tiny.log").stat().st_size < 1 << 20  # a fresh log for this worker
-    finally:
-        srv.cleanup()
