@@ -8,8 +8,10 @@ PYTHON ?= python3
 # a multi-GB CUDA build on a CPU machine; on a GPU workstation pass e.g.
 # TORCH_SPEC='torch==2.13.0 --index-url <your CUDA wheel index>'.
 TORCH_SPEC ?= torch==2.13.0
-# llama-cpp-python compiles llama.cpp from source; use every core for it.
-export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
+# The inference engine (xllamacpp) installs as a prebuilt wheel: the CPU build
+# from PyPI by default. For a GPU build pass its wheel index, e.g.
+# ENGINE_INDEX=https://xorbitsai.github.io/xllamacpp/whl/cu128 (see README, "GPU").
+ENGINE_INDEX ?=
 
 .PHONY: serve test install install-train bench clean
 
@@ -17,6 +19,10 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel
 	$(PY) -m pip install --quiet -e '.[test]'
+	if [ -n "$(ENGINE_INDEX)" ]; then \
+		$(PY) -m pip install --quiet --force-reinstall --no-deps --index-url "$(ENGINE_INDEX)" \
+			"xllamacpp==$$($(PY) -c 'from importlib.metadata import version; print(version("xllamacpp"))')"; \
+	fi
 	touch $(STAMP)
 
 # The train extra (torch, transformers, peft) for finetune jobs and their tests.

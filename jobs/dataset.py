@@ -17,6 +17,7 @@ import csv
 import hashlib
 import json
 import os
+import tempfile
 import time
 from array import array
 from collections import Counter
@@ -30,6 +31,7 @@ from jobs.context import JobContext, JobError, check_stop
 from jobs.events import JobIO
 from jobs.formats import RowError, detect_format, to_messages
 from jobs.params import DatasetParams, JobParams, dataset_outputs
+from jobs.tokenizer import open_tokenizer
 
 # (line or item number, row or the error that made it unreadable)
 Raw = tuple[int, object]
@@ -259,20 +261,18 @@ def _dist(values: array[int]) -> dict[str, float]:
 
 
 def token_counts(io: JobIO, model_path: str, rows: _Spill) -> array[int]:
-    """Tokens per row with the model's own tokenizer (message contents only)."""
-    import llama_cpp  # only in the job process
-
+    """Tokens per row with the model's own tokenizer (message contents only,
+    no BOS/EOS, special-token text counted as plain text)."""
     io.stage("tokenizing")
-    llm = llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=False)
     counts = array("Q")
     progress = _Progress(io)
-    for i, msgs in enumerate(rows.rows()):
-        counts.append(
-            sum(len(llm.tokenize(m["content"].encode(), add_bos=False, special=False)) for m in msgs)
-        )
-        if i % 1000 == 0:
-            check_stop(io, f"after tokenizing {i} rows")
-            progress(0.7 + 0.2 * i / max(1, len(rows)), f"tokenized {i} rows")
+    # The system temp dir: the job's own dirs may be too long for a socket path.
+    with open_tokenizer(model_path, Path(tempfile.gettempdir())) as tok:
+        for i, msgs in enumerate(rows.rows()):
+            counts.append(sum(tok.count(m["content"]) for m in msgs))
+            if i % 1000 == 0:
+                check_stop(io, f"after tokenizing {i} rows")
+                progress(0.7 + 0.2 * i / max(1, len(rows)), f"tokenized {i} rows")
     return counts
 
 

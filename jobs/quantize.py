@@ -1,4 +1,4 @@
-"""The ``quantize`` kind: GGUF -> GGUF with llama.cpp's quantizer.
+"""The ``quantize`` kind: GGUF -> GGUF with llama.cpp's mixes and ggml's kernels.
 
 Before any work it refuses, with a clear error, a file that is not GGUF, an
 already-quantized model (unless ``allow_requantize``), a type the tensor
@@ -6,46 +6,58 @@ shapes cannot take, and a disk without room for the output. The output is
 written under a hidden temporary name in the models dir and renamed into
 place only when complete, so a half-written file is never served.
 
-``llama_model_quantize`` is one native call that cannot be interrupted; it
-runs in a thread while the main thread reports progress (output size against
-the estimate) and, on SIGTERM, abandons it: the temp file is removed and the
-process exits, taking the thread with it.
+Each tensor's type comes from :mod:`jobs.quantize_rules` (llama.cpp's rules);
+its bytes from ggml's row kernels (:mod:`jobs.quantize_native`). The input is
+read in slabs of rows, so memory stays bounded by the slab, not the model,
+and a stop request is honoured between slabs: the partial output is removed.
 """
 
 from __future__ import annotations
 
-import ctypes
+import itertools
 import os
 import shutil
-import threading
 import time
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from io import BufferedReader
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import gguf
+import numpy as np
+import numpy.typing as npt
 
 from jobs.context import JobContext, JobError, JobStopped
 from jobs.events import JobIO
 from jobs.params import JobParams, QuantizeParams
+from jobs.quantize_native import Kernels
+from jobs.quantize_rules import (
+    MIXES,
+    Mix,
+    ModelFacts,
+    TensorSpec,
+    is_quantizable,
+    n_dims,
+    plan_types,
+    tensor_order,
+)
 
 Q = gguf.GGMLQuantizationType
-# Our type name -> (llama.cpp ftype constant name, the main tensor type it uses).
-TYPES: dict[str, tuple[str, gguf.GGMLQuantizationType]] = {
-    "F16": ("LLAMA_FTYPE_MOSTLY_F16", Q.F16),
-    "BF16": ("LLAMA_FTYPE_MOSTLY_BF16", Q.BF16),
-    "Q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", Q.Q8_0),
-    "Q6_K": ("LLAMA_FTYPE_MOSTLY_Q6_K", Q.Q6_K),
-    "Q5_K_M": ("LLAMA_FTYPE_MOSTLY_Q5_K_M", Q.Q5_K),
-    "Q5_K_S": ("LLAMA_FTYPE_MOSTLY_Q5_K_S", Q.Q5_K),
-    "Q5_0": ("LLAMA_FTYPE_MOSTLY_Q5_0", Q.Q5_0),
-    "Q4_K_M": ("LLAMA_FTYPE_MOSTLY_Q4_K_M", Q.Q4_K),
-    "Q4_K_S": ("LLAMA_FTYPE_MOSTLY_Q4_K_S", Q.Q4_K),
-    "Q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", Q.Q4_0),
-    "Q3_K_M": ("LLAMA_FTYPE_MOSTLY_Q3_K_M", Q.Q3_K),
-}
+V = gguf.GGUFValueType
+TYPES: Mapping[str, Mix] = MIXES
 UNQUANTIZED = frozenset({Q.F32, Q.F16, Q.BF16})
 _DISK_MARGIN = 64 * 1024 * 1024
+# Float values converted per slab: large enough to keep every thread busy,
+# small enough that a stop request is seen within a fraction of a second.
+_SLAB_VALUES = 4 * 1024 * 1024
+_SPLIT_KEYS = frozenset({
+    gguf.Keys.Split.LLM_KV_SPLIT_NO, gguf.Keys.Split.LLM_KV_SPLIT_COUNT,
+    gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT,
+})
+# Written last, in this order, as llama.cpp does.
+_REWRITTEN_KEYS = (gguf.Keys.General.QUANTIZATION_VERSION, gguf.Keys.General.FILE_TYPE)
 
 
 @dataclass
@@ -59,38 +71,106 @@ class Plan:
     quantizable: int
 
 
-def _is_weight(t: Any) -> bool:
-    return str(t.name).endswith(".weight") and len(t.shape) >= 2
+@dataclass(frozen=True)
+class _Item:
+    """One tensor to write: where it is in the input and what it becomes."""
+
+    name: str
+    shape: tuple[int, ...]
+    src_type: Q
+    dst_type: Q
+    offset: int
+    n_bytes: int
+
+    @property
+    def n_per_row(self) -> int:
+        return self.shape[0]
+
+    @property
+    def n_rows(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64))
+
+    def out_bytes(self) -> int:
+        block, size = gguf.GGML_QUANT_SIZES[self.dst_type]
+        return self.n_per_row // block * size * self.n_rows
 
 
-def inspect_model(path: Path, type_name: str) -> Plan:
-    """Read the GGUF header (memory-mapped) and plan the conversion."""
+def _open(path: Path) -> gguf.GGUFReader:
     with path.open("rb") as f:
         if f.read(4) != b"GGUF":
             raise JobError(f"{path.name} is not a GGUF file")
     try:
-        reader = gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(str(path))
     except (ValueError, OSError) as exc:
         raise JobError(f"{path.name} is not a readable GGUF file: {exc}") from exc
-    field = reader.fields.get("general.file_type")
+
+
+def _scalar(reader: gguf.GGUFReader, key: str) -> Any:
+    """A field's value, or the first element of an array field; None when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.contents()
+    return value[0] if isinstance(value, list) else value
+
+
+def _facts(reader: gguf.GGUFReader) -> ModelFacts:
+    arch = _scalar(reader, gguf.Keys.General.ARCHITECTURE)
+    if not isinstance(arch, str):
+        raise JobError("the model has no general.architecture")
+    n_layer = _scalar(reader, f"{arch}.block_count")
+    if n_layer is None:
+        raise JobError(f"the model has no {arch}.block_count")
+    n_head = int(_scalar(reader, f"{arch}.attention.head_count") or 0)
+    n_head_kv = _scalar(reader, f"{arch}.attention.head_count_kv")
+    return ModelFacts(
+        arch=arch, n_layer=int(n_layer), n_head=n_head,
+        n_head_kv=n_head if n_head_kv is None else int(n_head_kv),
+        n_expert=int(_scalar(reader, f"{arch}.expert_count") or 0),
+    )
+
+
+def _specs(reader: gguf.GGUFReader) -> list[TensorSpec]:
+    return [TensorSpec(str(t.name), tuple(int(d) for d in t.shape), Q(int(t.tensor_type)))
+            for t in reader.tensors]
+
+
+def _type_plan(reader: gguf.GGUFReader, mix: Mix) -> dict[str, Q]:
+    try:
+        return plan_types(_specs(reader), mix, _facts(reader))
+    except ValueError as exc:
+        raise JobError(f"cannot plan the tensor types: {exc}") from exc
+
+
+def _items(reader: gguf.GGUFReader, mix: Mix) -> list[_Item]:
+    """The tensors in llama.cpp's output order, each with its output type."""
+    types = _type_plan(reader, mix)
+    items = [
+        _Item(str(t.name), tuple(int(d) for d in t.shape), Q(int(t.tensor_type)),
+              types[str(t.name)], int(t.data_offset), int(t.n_bytes))
+        for t in reader.tensors
+    ]
+    return sorted(items, key=lambda i: tensor_order(i.name))
+
+
+def inspect_model(path: Path, type_name: str) -> Plan:
+    """Read the GGUF header (memory-mapped) and plan the conversion."""
+    reader = _open(path)
+    field = reader.fields.get(gguf.Keys.General.FILE_TYPE)
     file_type = int(field.parts[field.data[0]][0]) if field is not None else None
-    target = TYPES[type_name][1]
-    block, type_size = gguf.GGML_QUANT_SIZES[target]
-    estimate = path.stat().st_size - sum(int(t.n_bytes) for t in reader.tensors)
+    mix = TYPES[type_name]
+    block = gguf.GGML_QUANT_SIZES[mix.base][0]
+    arch = str(_scalar(reader, gguf.Keys.General.ARCHITECTURE))
+    items = _items(reader, mix)
+    estimate = path.stat().st_size - sum(i.n_bytes for i in items)
     incompatible, quantizable, quantized = [], 0, False
-    for t in reader.tensors:
-        ttype = gguf.GGMLQuantizationType(int(t.tensor_type))
-        quantized = quantized or ttype not in UNQUANTIZED
-        if not _is_weight(t):
-            estimate += int(t.n_bytes)
-            continue
-        quantizable += 1
-        row = int(t.shape[0])
-        if row % block:
-            incompatible.append((str(t.name), row))
-            estimate += int(t.n_bytes)
-        else:
-            estimate += int(t.n_elements) // block * type_size
+    for item in items:
+        quantized = quantized or item.src_type not in UNQUANTIZED
+        estimate += item.out_bytes()
+        if is_quantizable(item.name, item.shape, arch):
+            quantizable += 1
+            if item.n_per_row % block:
+                incompatible.append((item.name, item.n_per_row))
     if file_type is not None and file_type not in (0, 1, 32):
         quantized = True
     return Plan(file_type, quantized, estimate, incompatible, quantizable)
@@ -101,7 +181,7 @@ def check_plan(io: JobIO, plan: Plan, params: QuantizeParams, out_dir: Path) -> 
         raise JobError(
             "the model is already quantized; requantizing loses quality, set allow_requantize to do it"
         )
-    block = gguf.GGML_QUANT_SIZES[TYPES[params.type][1]][0]
+    block = gguf.GGML_QUANT_SIZES[TYPES[params.type].base][0]
     if plan.incompatible and len(plan.incompatible) * 2 > plan.quantizable:
         name, row = plan.incompatible[0]
         raise JobError(
@@ -110,7 +190,7 @@ def check_plan(io: JobIO, plan: Plan, params: QuantizeParams, out_dir: Path) -> 
             f"rows of {row}); pick a type with smaller blocks such as Q8_0 or F16"
         )
     if plan.incompatible:
-        io.log(f"{len(plan.incompatible)} tensors cannot take {params.type}; llama.cpp uses a fallback type")
+        io.log(f"{len(plan.incompatible)} tensors cannot take {params.type}; they get a fallback type as in llama.cpp")
     free = shutil.disk_usage(out_dir).free
     needed = int(plan.estimate_bytes * 1.05) + _DISK_MARGIN
     if free < needed:
@@ -120,30 +200,239 @@ def check_plan(io: JobIO, plan: Plan, params: QuantizeParams, out_dir: Path) -> 
         )
 
 
-def _quantize_call(src: Path, dst: Path, params: QuantizeParams, outcome: list[int]) -> None:
-    import llama_cpp  # only in the job process
+def _kv_value(key: str, field: gguf.ReaderField) -> tuple[Any, V, V | None]:
+    """A field as GGUFWriter takes it; strings stay raw bytes, so nothing is re-encoded."""
+    main = V(field.types[0])
+    if main == V.STRING:
+        return bytes(field.parts[field.data[0]]), main, None
+    if main != V.ARRAY:
+        return field.contents(), main, None
+    if len(field.types) != 2:
+        raise JobError(f"cannot copy {key}: nested arrays are not supported")
+    sub = V(field.types[1])
+    if sub == V.STRING:
+        return [bytes(field.parts[i]) for i in field.data], main, sub
+    return field.contents(), main, sub
 
-    qp = llama_cpp.llama_model_quantize_default_params()
-    qp.ftype = getattr(llama_cpp, TYPES[params.type][0])
-    qp.nthread = params.nthread
-    qp.allow_requantize = params.allow_requantize
-    outcome.append(int(llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(qp))))
+
+def _copy_kv(io: JobIO, reader: gguf.GGUFReader, writer: gguf.GGUFWriter, mix: Mix) -> None:
+    for key, field in reader.fields.items():
+        # GGUF.* are the reader's view of the file header; the writer makes its own.
+        if key.startswith("GGUF.") or key in _SPLIT_KEYS or key in _REWRITTEN_KEYS:
+            continue
+        if key == gguf.Keys.General.ARCHITECTURE:
+            continue  # the writer starts with it
+        value, vtype, sub = _kv_value(key, field)
+        if vtype == V.ARRAY and len(value) == 0:
+            io.log(f"dropped the empty array {key}: GGUF writers cannot store empty arrays")
+            continue
+        writer.add_key_value(key, value, vtype, sub)
+    writer.add_uint32(gguf.Keys.General.QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION)
+    writer.add_uint32(gguf.Keys.General.FILE_TYPE, int(mix.ftype))
+
+
+def _write_header(io: JobIO, reader: gguf.GGUFReader, items: list[_Item], mix: Mix, tmp: Path) -> None:
+    arch = _scalar(reader, gguf.Keys.General.ARCHITECTURE)
+    writer = gguf.GGUFWriter(tmp, str(arch))
+    writer.data_alignment = reader.alignment
+    _copy_kv(io, reader, writer, mix)
+    for item in items:
+        shape = item.shape[: n_dims(item.shape)]
+        writer.add_tensor_info(item.name, list(reversed(shape)), np.dtype(np.float32),
+                               item.out_bytes(), raw_dtype=item.dst_type)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+    finally:
+        writer.close()
+
+
+def _check_input(reader: gguf.GGUFReader, items: list[_Item], params: QuantizeParams) -> None:
+    if reader.byte_order != "I":
+        raise JobError("big-endian GGUF files are not supported")
+    splits = _scalar(reader, gguf.Keys.Split.LLM_KV_SPLIT_COUNT)
+    if splits is not None and int(splits) > 1:
+        raise JobError("the model is split into several files; merge them first")
+    for item in items:
+        if item.src_type != item.dst_type and item.src_type not in UNQUANTIZED and not params.allow_requantize:
+            raise JobError(f"{item.name} is already {item.src_type.name}; set allow_requantize to convert it")
+
+
+class _Writer:
+    """The output's tensor data section: aligned tensors, appended in order."""
+
+    def __init__(self, out: IO[bytes], alignment: int) -> None:
+        self._out = out
+        self._alignment = alignment
+        self.written = 0
+        self._pad()
+
+    def _pad(self) -> None:
+        self._out.write(b"\0" * (-self._out.tell() % self._alignment))
+
+    def write(self, data: npt.NDArray[np.uint8]) -> None:
+        self._out.write(data.data)
+        self.written += data.size
+
+    def end_tensor(self) -> None:
+        self._pad()
+
+
+def _read(src: BufferedReader, offset: int, buf: npt.NDArray[np.uint8]) -> None:
+    src.seek(offset)
+    if src.readinto(buf.data) != buf.size:
+        raise JobError("the input ended inside a tensor (truncated file?)")
+
+
+def _row_parts(n_rows: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``n_rows`` into up to ``parts`` contiguous, non-empty [start, stop) ranges."""
+    parts = max(1, min(parts, n_rows))
+    return list(itertools.pairwise(n_rows * i // parts for i in range(parts + 1)))
+
+
+@dataclass
+class _Slab:
+    """Reusable buffers for one tensor's row slabs."""
+
+    raw: npt.NDArray[np.uint8]
+    floats: npt.NDArray[np.float32]
+    out: npt.NDArray[np.uint8]
+    rows: int
+
+
+def _slab(kernels: Kernels, item: _Item) -> _Slab:
+    rows = max(1, min(item.n_rows, _SLAB_VALUES // item.n_per_row))
+    src_row = kernels.row_size(item.src_type, item.n_per_row)
+    dst_row = kernels.row_size(item.dst_type, item.n_per_row)
+    floats = np.empty(0 if item.src_type == Q.F32 else rows * item.n_per_row, dtype=np.float32)
+    return _Slab(np.empty(rows * src_row, np.uint8), floats, np.empty(rows * dst_row, np.uint8), rows)
+
+
+class _Converter:
+    """Turns slabs of input rows into output rows on a pool of threads."""
+
+    def __init__(self, kernels: Kernels, pool: ThreadPoolExecutor, threads: int) -> None:
+        self.kernels = kernels
+        self._pool = pool
+        self._threads = threads
+
+    def _part(self, item: _Item, slab: _Slab, rows: tuple[int, int]) -> None:
+        k, n = self.kernels, item.n_per_row
+        src_row, dst_row = k.row_size(item.src_type, n), k.row_size(item.dst_type, n)
+        a, b = rows
+        raw = slab.raw[a * src_row: b * src_row]
+        if item.src_type == Q.F32:
+            floats = raw.view(np.float32)
+        else:
+            floats = slab.floats[a * n: b * n]
+            k.to_float(item.src_type, raw, floats)
+        k.quantize_rows(item.dst_type, floats, slab.out[a * dst_row: b * dst_row], n)
+
+    def convert(self, item: _Item, slab: _Slab, nrows: int) -> npt.NDArray[np.uint8]:
+        """Convert the first ``nrows`` rows held in ``slab.raw``; returns their output bytes."""
+        futures = [self._pool.submit(self._part, item, slab, part)
+                   for part in _row_parts(nrows, self._threads)]
+        for f in futures:
+            f.result()
+        return slab.out[: nrows * self.kernels.row_size(item.dst_type, item.n_per_row)]
+
+
+def _slabs(item: _Item, kernels: Kernels, slab: _Slab) -> Iterator[tuple[int, int]]:
+    """(input byte offset, rows) of each slab of ``item``."""
+    src_row = kernels.row_size(item.src_type, item.n_per_row)
+    for first in range(0, item.n_rows, slab.rows):
+        yield item.offset + first * src_row, min(slab.rows, item.n_rows - first)
+
+
+@dataclass
+class _Progress:
+    io: JobIO
+    total: int
+    estimate: int
+    done: int = 0
+
+    def advance(self, n_bytes: int, written: int, tensor: int, tensors: int) -> None:
+        self.done += n_bytes
+        self.io.progress(min(0.99, self.done / max(1, self.total)),
+                         message=f"tensor {tensor}/{tensors}, {written // 2**20} of about "
+                                 f"{self.estimate // 2**20} MiB written")
+
+
+def _stop_point(io: JobIO) -> None:
+    if io.stop_requested:
+        raise JobStopped("stopped on request while quantizing (partial output removed)")
+
+
+def _copy_tensor(src: BufferedReader, out: _Writer, item: _Item, progress: _Progress, n: tuple[int, int]) -> None:
+    buf = np.empty(min(item.n_bytes, _SLAB_VALUES * 4), np.uint8)
+    for start in range(0, item.n_bytes, buf.size):
+        _stop_point(progress.io)
+        part = buf[: min(buf.size, item.n_bytes - start)]
+        _read(src, item.offset + start, part)
+        out.write(part)
+        progress.advance(part.size, out.written, *n)
+
+
+def _convert_tensor(src: BufferedReader, out: _Writer, item: _Item, conv: _Converter,
+                    progress: _Progress, n: tuple[int, int]) -> None:
+    slab = _slab(conv.kernels, item)
+    src_row = conv.kernels.row_size(item.src_type, item.n_per_row)
+    for offset, rows in _slabs(item, conv.kernels, slab):
+        _stop_point(progress.io)
+        _read(src, offset, slab.raw[: rows * src_row])
+        out.write(conv.convert(item, slab, rows))
+        progress.advance(rows * src_row, out.written, *n)
+
+
+def _threads(params: QuantizeParams) -> int:
+    if params.nthread:
+        return params.nthread
+    # The CPUs this process may run on, which a container or taskset may limit.
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _kernels_for(items: list[_Item]) -> Kernels:
+    """ggml's kernels, checked and prepared for every conversion ``items`` need."""
+    kernels = Kernels.load()
+    converted = [i for i in items if i.dst_type != i.src_type]
+    for qtype in {i.dst_type for i in converted}:
+        kernels.check_type(qtype)
+        kernels.prepare(qtype)
+    for qtype in {i.src_type for i in converted}:
+        kernels.prepare_source(qtype)
+    return kernels
+
+
+def _write_tensors(fin: BufferedReader, out: _Writer, items: list[_Item], conv: _Converter,
+                   progress: _Progress) -> None:
+    for n, item in enumerate(items, 1):
+        before = out.written
+        if item.dst_type == item.src_type:
+            _copy_tensor(fin, out, item, progress, (n, len(items)))
+        else:
+            _convert_tensor(fin, out, item, conv, progress, (n, len(items)))
+        if out.written - before != item.out_bytes():
+            # The header already promised this size; a mismatch would shift every later tensor.
+            raise JobError(f"{item.name}: wrote {out.written - before} bytes, the header says {item.out_bytes()}")
+        out.end_tensor()
 
 
 def quantize(io: JobIO, src: Path, tmp: Path, params: QuantizeParams, estimate: int) -> None:
-    outcome: list[int] = []
-    worker = threading.Thread(target=_quantize_call, args=(src, tmp, params, outcome), daemon=True)
-    worker.start()
-    while worker.is_alive():
-        worker.join(0.5)
-        if io.stop_requested:
-            # The native call cannot stop; leaving the process ends it.
-            tmp.unlink(missing_ok=True)
-            raise JobStopped("stopped on request while quantizing (partial output removed)")
-        size = tmp.stat().st_size if tmp.exists() else 0
-        io.progress(min(0.99, size / max(1, estimate)), message=f"{size // 2**20} MiB written")
-    if not outcome or outcome[0] != 0:
-        raise JobError(f"llama.cpp could not quantize the model (code {outcome[:1]}); see the job log")
+    """Write ``src`` quantized to ``params.type`` into ``tmp``."""
+    mix = TYPES[params.type]
+    reader = _open(src)
+    items = _items(reader, mix)
+    _check_input(reader, items, params)
+    kernels = _kernels_for(items)
+    _write_header(io, reader, items, mix, tmp)
+    progress = _Progress(io, sum(i.n_bytes for i in items), estimate)
+    threads = _threads(params)
+    with ThreadPoolExecutor(threads, thread_name_prefix="quantize") as pool, \
+            src.open("rb") as fin, tmp.open("ab") as fout:
+        _write_tensors(fin, _Writer(fout, reader.alignment), items, _Converter(kernels, pool, threads), progress)
+        fout.flush()
+        os.fsync(fout.fileno())
 
 
 def run(io: JobIO, params: JobParams, ctx: JobContext) -> dict[str, Any]:
@@ -165,7 +454,7 @@ def run(io: JobIO, params: JobParams, ctx: JobContext) -> dict[str, Any]:
         quantize(io, src, tmp, params, plan.estimate_bytes)
         with tmp.open("rb") as f:
             if f.read(4) != b"GGUF":
-                raise JobError("llama.cpp wrote an output that is not GGUF")
+                raise JobError("the quantizer wrote an output that is not GGUF")
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

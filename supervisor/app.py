@@ -26,7 +26,8 @@ from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
 from supervisor.handle import Timing
 from supervisor.httputil import answer_and_close, error_response, json_response
-from supervisor.keys import CONFIG, DB, LIBRARY, POOL, STARTED_AT
+from supervisor.engine_check import EngineCheck
+from supervisor.keys import CONFIG, DB, ENGINE_CHECK, LIBRARY, POOL, STARTED_AT
 from supervisor.lease import GpuLease, detect_devices
 from supervisor.library import ModelLibrary
 from supervisor.models_dir import LibrarySource, ensure_demo_model
@@ -182,6 +183,14 @@ async def workers(request: web.Request) -> web.Response:
     return json_response({"workers": request.app[POOL].workers()})
 
 
+async def engine_check_ctx(app: web.Application) -> AsyncIterator[None]:
+    check = EngineCheck()
+    app[ENGINE_CHECK] = check
+    check.start()
+    yield
+    await check.stop()
+
+
 def build_app(cfg: Config) -> web.Application:
     gate = auth.Auth.from_config(cfg)
     stats = metrics.Metrics()
@@ -196,7 +205,7 @@ def build_app(cfg: Config) -> web.Application:
     app[auth.AUTH] = gate
     app[metrics.METRICS] = stats
     app[shutdown.SHUTDOWN] = shutdown.ShutdownState()
-    app.cleanup_ctx.extend([db_ctx, library_ctx, lab_ctx])
+    app.cleanup_ctx.extend([db_ctx, library_ctx, lab_ctx, engine_check_ctx])
     # After the contexts that provide the database and the pool.
     responses.setup(app, retention_s=cfg.responses_retention_days * 86400,
                     keepalive_s=cfg.responses_keepalive_s)

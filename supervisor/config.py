@@ -46,6 +46,11 @@ def parse_duration(value: str | int | float) -> float:
     return sign * sum(float(n) * _UNIT[u] for n, u in parts)
 
 
+# Engine slots per worker: each holds a whole context of KV cache.
+MAX_PARALLEL = 64
+DEFAULT_PARALLEL_GPU = 4
+DEFAULT_PARALLEL_CPU = 2
+
 class ModelSettings(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
     """How to load one model; every field optional (unset = the global default)."""
 
@@ -54,10 +59,14 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     n_gpu_layers: int | None = None
     draft_ngram: int | None = None
     keep_alive: str | int | float | None = None
+    # Generations a worker runs at once (engine slots); 0 = 4 on a GPU, 2 on the CPU.
+    parallel: int | None = None
 
     def __post_init__(self) -> None:
         if self.n_ctx is not None and self.n_ctx < 16:
             raise ValueError("n_ctx must be at least 16")
+        if self.parallel is not None and not 0 <= self.parallel <= MAX_PARALLEL:
+            raise ValueError(f"parallel must be within 0..{MAX_PARALLEL}")
         if self.draft_ngram is not None and not 0 <= self.draft_ngram <= 64:
             raise ValueError("draft_ngram must be within 0..64")
         if self.keep_alive is not None:
@@ -103,6 +112,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     keep_alive: str | int | float = "5m"
     cache_type: CacheType = "f16"
     draft_ngram: int = 0
+    parallel: int = 0
     min_ctx: int = 2048
     # Memory gpuvisor may use for models (MiB); 0 = whatever is free.
     memory_budget_mib: int = 0
@@ -145,6 +155,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("max_body_bytes must be >= 1024")
         if self.body_timeout <= 0:
             raise ValueError("body_timeout must be > 0")
+        if not 0 <= self.parallel <= MAX_PARALLEL:
+            raise ValueError(f"parallel must be within 0..{MAX_PARALLEL}")
         if self.max_loaded_models < 1:
             raise ValueError("max_loaded_models must be at least 1")
         parse_duration(self.keep_alive)
@@ -154,7 +166,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def model_settings(self, model_id: str) -> ModelSettings:
         """Global defaults overlaid with this model's own defaults."""
         base = ModelSettings(n_ctx=self.n_ctx, cache_type=self.cache_type, n_gpu_layers=self.n_gpu_layers,
-                             draft_ngram=self.draft_ngram, keep_alive=self.keep_alive)
+                             draft_ngram=self.draft_ngram, keep_alive=self.keep_alive,
+                             parallel=self.parallel)
         own = self.model_defaults.get(model_id)
         return base if own is None else own.over(base)
 

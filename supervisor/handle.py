@@ -3,8 +3,10 @@
 A ``WorkerHandle`` owns the worker's process, its IPC connection, a FIFO queue
 of requests and a supervising task that spawns, watches (ping/pong), and
 restarts the worker with backoff. State lives in one enum, not in flags.
-Requests queued but not yet sent survive a crash and go to the restarted
-worker; the request in flight ends with a ``WorkerGone`` event.
+Up to ``spec.parallel`` requests are in flight at once (the worker's engine
+slots); the rest wait in the queue. Requests queued but not yet sent survive
+a crash and go to the restarted worker; those in flight end with a
+``WorkerGone`` event.
 """
 
 from __future__ import annotations
@@ -84,10 +86,14 @@ class WorkerSpec:
     device: str = "cpu"
     cache_type: str = "f16"
     draft_ngram: int = 0
+    # Requests the worker runs at once (its engine slots).
+    parallel: int = 1
 
     def same_settings(self, other: WorkerSpec) -> bool:
-        return (self.path, self.n_ctx, self.n_gpu_layers, self.cache_type, self.draft_ngram) == (
-            other.path, other.n_ctx, other.n_gpu_layers, other.cache_type, other.draft_ngram)
+        return self._settings() == other._settings()
+
+    def _settings(self) -> tuple[object, ...]:
+        return (self.path, self.n_ctx, self.n_gpu_layers, self.cache_type, self.draft_ngram, self.parallel)
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,7 @@ class WorkerHandle:
         self.keep_alive = 300.0
         self.stats: p.WorkerStats | None = None
         self.queue: deque[Pending] = deque()
-        self.inflight: Pending | None = None
+        self.inflight: dict[int, Pending] = {}
         self.crash_times: deque[float] = deque()
         self.ready = asyncio.Event()
         self.changed = asyncio.Event()
@@ -163,7 +169,7 @@ class WorkerHandle:
 
     @property
     def busy(self) -> bool:
-        return self.inflight is not None or bool(self.queue)
+        return bool(self.inflight) or bool(self.queue)
 
     @property
     def accepting(self) -> bool:
@@ -236,8 +242,8 @@ class WorkerHandle:
         self.cause = self.cause or Cause.EXITED
         log.warning("worker %s crashed: %s", self.spec.model_id, self.reason)
         self._set_state(WorkerState.CRASHED)
-        if self.inflight is not None:
-            self._end(self.inflight, WorkerGone("worker_crashed", f"the model worker crashed ({self.reason})"))
+        for pend in list(self.inflight.values()):
+            self._end(pend, WorkerGone("worker_crashed", f"the model worker crashed ({self.reason})"))
         if len(self.crash_times) < self.timing.crash_limit:
             return False
         self._fail_permanently(
@@ -360,7 +366,8 @@ class WorkerHandle:
         s = self.spec
         args = [sys.executable, "-m", "worker", "--socket", str(sock), "--model", str(s.path),
                 "--n-ctx", str(s.n_ctx), "--n-gpu-layers", str(s.n_gpu_layers),
-                "--threads", str(s.n_threads), "--heartbeat", str(self.timing.heartbeat)]
+                "--threads", str(s.n_threads), "--heartbeat", str(self.timing.heartbeat),
+                "--parallel", str(max(1, s.parallel)), "--engine-socket", str(_engine_socket(sock))]
         if s.embedding:
             args.append("--embedding")
         if s.cache_type != "f16":
@@ -423,14 +430,17 @@ class WorkerHandle:
             case p.Heartbeat() | p.Pong():
                 self.stats = msg.stats
             case p.Started() | p.Delta():
-                if self.inflight is not None and self.inflight.id == msg.id:
-                    self.inflight.events.put_nowait(msg)
+                pend = self.inflight.get(msg.id)
+                if pend is not None:
+                    pend.events.put_nowait(msg)
             case p.Done() | p.Tokens() | p.Embeddings():
-                if self.inflight is not None and self.inflight.id == msg.id:
-                    self._end(self.inflight, msg)
+                pend = self.inflight.get(msg.id)
+                if pend is not None:
+                    self._end(pend, msg)
             case p.Error():
-                if self.inflight is not None and self.inflight.id == msg.id:
-                    self._end(self.inflight, msg)
+                pend = self.inflight.get(msg.id)
+                if pend is not None:
+                    self._end(pend, msg)
                 else:
                     log.error("worker %s: %s: %s", self.spec.model_id, msg.code, msg.message)
             case _:
@@ -475,6 +485,8 @@ class WorkerHandle:
             await proc.wait()
         # The group may hold helpers of the worker; none may outlive it.
         await self._kill_group_leftovers(proc.pid)
+        # A killed engine leaves its listener's socket file behind.
+        _engine_socket(self._socket_path()).unlink(missing_ok=True)
         self._proc = None
         return proc.returncode
 
@@ -489,7 +501,7 @@ class WorkerHandle:
     def submit(self, msg: p.Generate | p.Embed | p.Tokenize) -> Pending:
         if not self.accepting:
             raise NotAccepting(self.state, self.reason or self.state.value)
-        if len(self.queue) >= self.queue_limit and (self.inflight is not None or self.state is not WorkerState.READY):
+        if len(self.queue) >= self.queue_limit and (self._slots_full or self.state is not WorkerState.READY):
             raise QueueFull(f"{len(self.queue)} requests are already waiting for {self.spec.model_id}")
         msg.id = next(self._ids)
         pend = Pending(msg.id, msg)
@@ -508,12 +520,16 @@ class WorkerHandle:
             return
         self._send(p.Cancel(pend.id))
 
+    @property
+    def _slots_full(self) -> bool:
+        return len(self.inflight) >= max(1, self.spec.parallel)
+
     def _kick(self) -> None:
         # Draining still serves what was queued before the drain began.
-        if self.inflight is not None or not self.queue:
-            return
-        if self.state not in (WorkerState.READY, WorkerState.DRAINING):
-            return
+        while self.queue and not self._slots_full and self.state in (WorkerState.READY, WorkerState.DRAINING):
+            self._send_next()
+
+    def _send_next(self) -> None:
         pend = self.queue.popleft()
         try:
             frame = self._codec.encode(pend.msg)
@@ -523,7 +539,7 @@ class WorkerHandle:
             self._end(pend, p.Error(pend.id, "invalid_request", f"the request cannot be sent to the worker: {exc}"))
             return
         pend.sent = True
-        self.inflight = pend
+        self.inflight[pend.id] = pend
         if self._writer is not None and not self._writer.is_closing():
             self._writer.write(frame)
 
@@ -534,20 +550,25 @@ class WorkerHandle:
     def _end(self, pend: Pending, event: p.FromWorker | WorkerGone) -> None:
         pend.finished = True
         pend.events.put_nowait(event)
-        if self.inflight is pend:
-            self.inflight = None
+        if self.inflight.get(pend.id) is pend:
+            del self.inflight[pend.id]
         self.last_used = self.clock()
         self.changed.set()
         self._kick()
 
     def _fail_all(self, code: str, reason: str) -> None:
-        if self.inflight is not None:
-            self._end(self.inflight, WorkerGone(code, reason))
+        for pend in list(self.inflight.values()):
+            self._end(pend, WorkerGone(code, reason))
         while self.queue:
             pend = self.queue.popleft()
             pend.finished = True
             pend.events.put_nowait(WorkerGone(code, reason))
         self.changed.set()
+
+
+def _engine_socket(ipc_socket: Path) -> Path:
+    """The worker engine's own listener, beside our IPC socket (same length + 2)."""
+    return ipc_socket.with_name(ipc_socket.stem + ".e.sock")
 
 
 def _rss(pid: int) -> int:

@@ -9,6 +9,7 @@ from aiohttp import web
 if TYPE_CHECKING:
     from supervisor.config import Config
     from supervisor.db import Database
+    from supervisor.engine_check import EngineCheck
     from supervisor.library import ModelLibrary
     from supervisor.pool import WorkerPool
 
@@ -17,3 +18,4 @@ POOL: web.AppKey[WorkerPool] = web.AppKey("pool")
 DB: web.AppKey[Database] = web.AppKey("db")
 STARTED_AT: web.AppKey[float] = web.AppKey("started_at")
 LIBRARY: web.AppKey[ModelLibrary] = web.AppKey("library")
+ENGINE_CHECK: web.AppKey[EngineCheck] = web.AppKey("engine_check")

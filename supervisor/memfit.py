@@ -62,6 +62,8 @@ class KvOptions(msgspec.Struct, frozen=True, kw_only=True):
     swa_full: bool = False
     n_seq: int = 1
     n_ubatch: int = 512
+    # Engine slots, each with its own cache of n_ctx cells (not unified).
+    slots: int = 1
 
 
 class KvEstimate(msgspec.Struct, frozen=True, kw_only=True):
@@ -185,12 +187,13 @@ def kv_cache_bytes(info: GgufInfo, n_ctx: int, opts: KvOptions | None = None) ->
         v_bytes += row_bytes(opts.cache_type_v, v_width) * cells
     n_recurrent = sum(info.recurrent_layers)
     recurrent = n_recurrent * recurrent_state_values(info) * 4 * max(opts.n_seq, 1)
+    slots = max(1, opts.slots)
     return KvEstimate(
         n_cells=n_cells,
         n_cells_swa=n_cells_swa,
-        k_bytes=k_bytes,
-        v_bytes=v_bytes,
-        recurrent_bytes=recurrent,
+        k_bytes=k_bytes * slots,
+        v_bytes=v_bytes * slots,
+        recurrent_bytes=recurrent * slots,
     )
 
 

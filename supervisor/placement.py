@@ -28,7 +28,7 @@ async def measure_free(budget_bytes: int, committed: Iterable[int]) -> tuple[int
 
 
 def plan_load(entry: ModelEntry, settings: ModelSettings, *, explicit_ctx: bool, target_ctx: int,
-              min_ctx: int, free_bytes: int, memory_kind: str) -> ContextDecision | None:
+              min_ctx: int, free_bytes: int, memory_kind: str, slots: int = 1) -> ContextDecision | None:
     """The context to load with, or None when the header is unreadable (the
     worker then fails to load it, exit code 3, and reports why).
 
@@ -38,7 +38,8 @@ def plan_load(entry: ModelEntry, settings: ModelSettings, *, explicit_ctx: bool,
     if info is None:
         return None
     cache = settings.cache_type or "f16"
-    opts = KvOptions(cache_type_k=cache, cache_type_v=cache, flash_attn=cache != "f16")
+    # The worker sets the engine's flash attention and swa_full to match.
+    opts = KvOptions(cache_type_k=cache, cache_type_v=cache, flash_attn=cache != "f16", slots=slots)
     native = info.context_length or target_ctx
     requested = settings.n_ctx if explicit_ctx else None
     return choose_context(

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from supervisor.config import ModelSettings, parse_duration
+from supervisor.config import DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_GPU, ModelSettings, parse_duration
 from supervisor.errors import (
     ApiError,
     BadRequest,
@@ -56,6 +56,7 @@ class PoolConfig(Protocol):
     min_ctx: int
     memory_budget_mib: int
     load_wait_timeout: float
+    model_defaults: dict[str, ModelSettings]
 
     def model_settings(self, model_id: str) -> ModelSettings: ...
 
@@ -124,19 +125,30 @@ class WorkerPool:
             return True
         s = handle.spec
         want_ctx = options.n_ctx if options.n_ctx is not None else s.n_ctx
-        want = (Path(entry.path), want_ctx, settings.n_gpu_layers, settings.cache_type, settings.draft_ngram)
-        return want == (s.path, s.n_ctx, s.n_gpu_layers, s.cache_type, s.draft_ngram)
+        want = (Path(entry.path), want_ctx, settings.n_gpu_layers, settings.cache_type, settings.draft_ngram,
+                self._parallel(settings))
+        return want == (s.path, s.n_ctx, s.n_gpu_layers, s.cache_type, s.draft_ngram, s.parallel)
+
+    def _parallel(self, settings: ModelSettings) -> int:
+        if settings.parallel:
+            return settings.parallel
+        # More slots than cores only slow each stream down on the CPU.
+        return DEFAULT_PARALLEL_CPU if self.device == "cpu" else DEFAULT_PARALLEL_GPU
 
     async def _start_handle(self, key: tuple[str, bool], entry: ModelEntry, settings: ModelSettings,
                             explicit_ctx: bool) -> WorkerHandle:
         model_id, embedding = key
         await self._make_room_by_count(model_id)
-        decision = await self._fit(entry, settings, explicit_ctx)
+        # A context set for this model in the config is as explicit as one in a load body.
+        own = self.cfg.model_defaults.get(model_id)
+        explicit_ctx = explicit_ctx or (own is not None and own.n_ctx is not None)
+        parallel = self._parallel(settings)
+        decision = await self._fit(entry, settings, explicit_ctx, parallel)
         n_ctx = decision.n_ctx if decision is not None else (settings.n_ctx or self.cfg.n_ctx)
         spec = WorkerSpec(model_id, Path(entry.path), embedding, n_ctx,
                           settings.n_gpu_layers if settings.n_gpu_layers is not None else -1,
                           self.cfg.n_threads, self.device, settings.cache_type or "f16",
-                          settings.draft_ngram or 0)
+                          settings.draft_ngram or 0, parallel)
         handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit)
         handle.keep_alive = parse_duration(settings.keep_alive or 0)
         self.handles[key] = handle
@@ -146,14 +158,15 @@ class WorkerPool:
         return handle
 
     async def _fit(self, entry: ModelEntry, settings: ModelSettings,
-                   explicit_ctx: bool) -> ContextDecision | None:
+                   explicit_ctx: bool, parallel: int) -> ContextDecision | None:
         deadline = asyncio.get_running_loop().time() + self.cfg.load_wait_timeout
         while True:
             committed = [f.needed_bytes for f in self.fits.values() if f is not None]
             free, kind = await measure_free(self.cfg.memory_budget_mib << 20, committed)
             try:
                 return plan_load(entry, settings, explicit_ctx=explicit_ctx, target_ctx=self.cfg.n_ctx,
-                                 min_ctx=self.cfg.min_ctx, free_bytes=free, memory_kind=kind)
+                                 min_ctx=self.cfg.min_ctx, free_bytes=free, memory_kind=kind,
+                                 slots=parallel)
             except DoesNotFit:
                 if await self._evict_lru(f"evicted to make room for {entry.id}"):
                     continue
@@ -364,7 +377,8 @@ def describe(h: WorkerHandle) -> dict[str, Any]:
         "restarts_by_cause": {c.value: n for c, n in h.restarts_by_cause.items()},
         "reason": h.reason,
         "queued": len(h.queue),
-        "in_flight": 1 if h.inflight is not None else 0,
+        "in_flight": len(h.inflight),
+        "parallel": h.spec.parallel,
         "device": h.spec.device,
         "n_ctx": h.facts.n_ctx if h.facts else None,
         "stats": None if h.stats is None else {

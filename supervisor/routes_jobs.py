@@ -33,6 +33,7 @@ from supervisor.httputil import (
     json_response,
     read_body,
 )
+from supervisor.keys import ENGINE_CHECK
 from supervisor.lease import GpuLease
 from supervisor.runner import JobRunner
 
@@ -307,4 +308,9 @@ async def dataset_templates(request: web.Request) -> web.Response:
 
 
 async def gpu_state(request: web.Request) -> web.Response:
-    return json_response(request.app[LEASE].snapshot())
+    state = dict(request.app[LEASE].snapshot())
+    build = request.app[ENGINE_CHECK].build
+    # engine_gpu: false when the machine has GPUs the installed engine cannot use.
+    state["engine"] = {**msgspec.structs.asdict(build),
+                       "engine_gpu": bool(build.engine_gpus) or build.machine_gpus == 0}
+    return json_response(state)

@@ -208,8 +208,18 @@ def test_prompt_longer_than_the_context_is_a_clear_400(fuzz_server: Server) -> N
     _alive(fuzz_server)
 
 
+def test_long_max_length_is_served_not_a_worker_crash(fuzz_server: Server) -> None:
+    # llama-cpp-python's converter wrote maxLength out as 10,000 nested groups,
+    # which overflowed llama.cpp's parser; ours bounds strings by max_tokens.
+    pid = fuzz_server.worker()["pid"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "maxLength": 10_000}}}
+    r = _chat(fuzz_server, response_format=fmt, max_tokens=8)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"].startswith('"')
+    assert fuzz_server.worker()["pid"] == pid, "the worker crashed"
+
+
 @pytest.mark.parametrize("schema", [
-    {"type": "string", "maxLength": 10_000},  # llama.cpp's grammar parser overflowed its stack
     {"type": "string", "minLength": 10**9},  # the schema converter ran out of memory
     {"type": "string", "pattern": "^a{0,100000}$"},
     {"type": "nonsense"},

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from jobs.params import (
 from supervisor.demo_model import write_tiny_gguf
 from supervisor.errors import BadRequest
 from tests.jobsupport import make_roots, running_lab, wait_finished
+from tests.quantize_ref import generated_tokens
 
 ROWS = [
     {"instruction": "Say hi", "output": "hi"},
@@ -193,17 +193,6 @@ def run_job_measured(kind: str, params: dict[str, object], roots: Roots) -> tupl
     return events, usage.ru_maxrss * 1024
 
 
-LOAD_AND_GENERATE = textwrap.dedent(
-    """
-    import sys
-    from llama_cpp import Llama
-    llm = Llama(model_path=sys.argv[1], vocab_only=False, verbose=False, n_ctx=128, n_threads=1)
-    out = llm.create_completion("hello", max_tokens=4, temperature=0.0)
-    print(out["usage"]["completion_tokens"])
-    """
-)
-
-
 async def test_quantize_job_output_loads_and_generates(tmp_path: Path) -> None:
     async with running_lab(tmp_path) as lab:
         write_tiny_gguf(lab.roots.models / "tiny.gguf")
@@ -218,12 +207,7 @@ async def test_quantize_job_output_loads_and_generates(tmp_path: Path) -> None:
         assert out == lab.roots.models / "tiny-Q8_0.gguf" and done.result["bytes"] == out.stat().st_size
         assert out.stat().st_size < (lab.roots.models / "tiny.gguf").stat().st_size
         assert not list(lab.roots.models.glob(".*partial"))
-        gen = await asyncio.to_thread(
-            subprocess.run, [sys.executable, "-c", LOAD_AND_GENERATE, str(out)],
-            capture_output=True, timeout=60, check=False,
-        )
-        assert gen.returncode == 0, gen.stderr.decode()[-2000:]
-        assert int(gen.stdout.split()[-1]) > 0
+        assert await asyncio.to_thread(generated_tokens, out) > 0
 
         # Already quantized: refused unless allow_requantize.
         again = validate_params("quantize", {"model": "tiny-Q8_0", "type": "Q4_0"}, ctx)

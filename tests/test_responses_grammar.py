@@ -75,21 +75,28 @@ def test_recursive_ref_terminates() -> None:
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    llama_cpp = pytest.importorskip("llama_cpp")
+    """The engine the worker runs, in-process, its listener on a private socket."""
+    import xllamacpp
+
     from supervisor.demo_model import write_tiny_gguf
+    from tests.server import short_tempdir
 
     path = write_tiny_gguf(Path(tmp_path_factory.mktemp("gram")) / "tiny.gguf")
-    model = llama_cpp.Llama(str(path), n_ctx=512, n_threads=1, verbose=False)
-    yield model
-    model.close()
+    params = xllamacpp.CommonParams()
+    params.model.path = str(path)
+    params.n_ctx = 512
+    params.cpuparams.n_threads = 1
+    params.cpuparams_batch.n_threads = 1
+    params.warmup = False
+    params.hostnames = [str(short_tempdir("gvg") / "e.sock")]
+    yield xllamacpp.Server(params)
 
 
-def generate(llm: Any, grammar: str, seed: int) -> str:
-    from llama_cpp.llama_grammar import LlamaGrammar
-
-    compiled = LlamaGrammar.from_string(grammar, verbose=False)
-    out = llm.create_completion("call", grammar=compiled, max_tokens=300, temperature=1.0, seed=seed)
-    assert out["choices"][0]["finish_reason"] == "stop"
+def generate(llm: Any, grammar: str, seed: int, prompt: str = "call") -> str:
+    out = llm.handle_completions({"prompt": prompt, "grammar": grammar, "max_tokens": 300,
+                                  "temperature": 1.0, "seed": seed})
+    assert "error" not in out, out
+    assert out["choices"][0]["finish_reason"] == "stop", out
     return str(out["choices"][0]["text"])
 
 
@@ -121,3 +128,27 @@ def test_named_function_only(llm: Any) -> None:
     (call,) = parse_all(text)
     assert isinstance(call, ToolCall) and call.name == "nested"
     check_call(call)
+
+
+def test_json_schema_output_is_valid_json_without_raw_control_characters(llm: Any) -> None:
+    """Strict clients (``chat.completions.parse``, pydantic) reject raw control
+    characters in JSON strings; the worker's schema grammar never emits them.
+    The random model rambles inside strings, so some answers are cut by
+    max_tokens: those must still be clean, and the finished ones parse."""
+    from worker.schema_gbnf import schema_gbnf
+
+    schema = {"type": "object", "properties": {"note": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["note", "n"], "additionalProperties": False}
+    grammar = schema_gbnf(schema)
+    finished = 0
+    for seed in range(12):
+        out = llm.handle_completions({"prompt": "json:", "grammar": grammar, "max_tokens": 200,
+                                      "temperature": 1.0, "seed": seed})
+        text = str(out["choices"][0]["text"])
+        assert text.startswith("{"), text
+        assert not any(ord(c) < 0x20 or c == "\x7f" for c in text), repr(text)
+        if out["choices"][0]["finish_reason"] == "stop":
+            value = json.loads(text)  # strict: a raw control character fails here
+            assert set(value) == {"note", "n"} and isinstance(value["n"], int)
+            finished += 1
+    assert finished >= 1

@@ -136,7 +136,7 @@ def test_bad_gguf_fails_once_without_restarts(tiny_model_path: Path,
 
 def test_queue_bound_gives_503_with_retry_after(tiny_model_path: Path,
                                                start_server: Callable[..., Server]) -> None:
-    srv = start_server(_models(tiny_model_path), env={**LONG, "GPUVISOR_QUEUE_LIMIT": "1"})
+    srv = start_server(_models(tiny_model_path), env={**LONG, "GPUVISOR_QUEUE_LIMIT": "1", "GPUVISOR_PARALLEL": "1"})
     url = srv.base_url + "/v1/chat/completions"
 
     async def run() -> httpx.Response:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import sys
+from pathlib import Path
 
 from worker.engine import EngineOptions
 from worker.server import run
@@ -25,6 +27,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--embedding", action="store_true")
     ap.add_argument("--cache-type", default="f16", choices=["f16", "q8_0", "q4_0"])
     ap.add_argument("--draft-ngram", type=int, default=0)
+    ap.add_argument("--parallel", type=int, default=1, help="generations at once (engine slots)")
+    ap.add_argument("--engine-socket", default="",
+                    help="Unix socket (ending in .sock) for the engine's own HTTP listener; "
+                         "default: beside --socket")
     ap.add_argument("--heartbeat", type=float, default=1.0)
     return ap.parse_args(argv)
 
@@ -34,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     # stderr is the worker's log file; one line per request, with its id.
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_socket = args.engine_socket or str(Path(args.socket).with_suffix(".e.sock"))
+    faulthandler.enable()  # a native crash leaves its Python stack in the log
     opts = EngineOptions(args.model, args.n_ctx, args.n_gpu_layers, args.threads, args.embedding,
-                         args.cache_type, args.draft_ngram)
+                         args.cache_type, args.draft_ngram, args.parallel, engine_socket)
     return asyncio.run(run(opts, args.socket, args.heartbeat))
 
 

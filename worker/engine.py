@@ -1,36 +1,49 @@
-"""The model inside a worker: llama-cpp-python, driven token by token.
+"""The model inside a worker: llama.cpp's own server engine, through xllamacpp.
 
-Generation uses ``Llama.generate()`` with our own prefill (so cancel is seen
-between prefill batches) and our own detokenizer (constant cost per token).
-Everything here runs in the worker's single generation thread.
+``xllamacpp.Server`` runs llama.cpp's server loop in native threads:
+``n_parallel`` slots with continuous batching, a prompt cache per slot,
+sampling, stop strings and grammars. Calls from several Python threads run
+concurrently in those slots; each call streams through a callback, and
+returning True from it stops that generation.
+
+We render chat prompts ourselves (worker/chat_template.py) and use the
+engine's completions path with a GBNF grammar: with small or unusual vocabs
+the engine's chat path did not force tool calls, and its JSON-schema path
+(LLGuidance) produced unconstrained text instead of an error, so output
+formats are always GBNF built by us. Its HTTP listener is bound to a private
+Unix socket and serves only tokenization and model facts to this process.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import llama_cpp
-from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar
-from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+import xllamacpp
 
 from worker.chat_template import ChatRenderer, TemplateError
-from worker.detok import Detokenizer
+from worker.gguf_meta import GGUFMetaError, read_metadata
 from worker.grammar_guard import check_grammar, schema_to_grammar
 from worker.protocol import Delta, Done, Error, Generate, ModelFacts, SamplingParams, Started
+from worker.schema_gbnf import json_object_gbnf
+from worker.unix_http import UnixJSONClient
 
 Emit = Callable[[Started | Delta | Done | Error], None]
 
 CACHE_TYPES = {
-    "f16": llama_cpp.GGML_TYPE_F16,
-    "q8_0": llama_cpp.GGML_TYPE_Q8_0,
-    "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+    "f16": xllamacpp.ggml_type.GGML_TYPE_F16,
+    "q8_0": xllamacpp.ggml_type.GGML_TYPE_Q8_0,
+    "q4_0": xllamacpp.ggml_type.GGML_TYPE_Q4_0,
 }
+# Prompt tokens evaluated per engine step. The engine reports prefill progress
+# once per step, and that report is the only point where a cancel is seen
+# during a long prefill, so this bounds how long a cancelled prefill runs on.
+PREFILL_BATCH = 512
 
 
 class LoadError(Exception):
@@ -47,6 +60,10 @@ class EngineOptions:
     cache_type: str = "f16"
     # Prompt-lookup (n-gram) speculative decoding: draft tokens per step; 0 = off.
     draft_ngram: int = 0
+    # Generations run at once, each in its own slot of n_ctx tokens.
+    parallel: int = 1
+    # Where the engine's own HTTP listener binds (a Unix socket, never TCP).
+    engine_socket: str = ""
 
 
 @dataclass
@@ -54,74 +71,187 @@ class Counters:
     requests_done: int = 0
     requests_cancelled: int = 0
     tokens_generated: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, finish: str, tokens: int) -> None:
+        with self.lock:
+            self.tokens_generated += tokens
+            if finish == "cancelled":
+                self.requests_cancelled += 1
+            else:
+                self.requests_done += 1
+
+
+def _params(opts: EngineOptions) -> xllamacpp.CommonParams:
+    p = xllamacpp.CommonParams()
+    p.model.path = opts.model_path
+    parallel = max(1, opts.parallel)
+    # Every slot gets the full per-request context (as Ollama does): the
+    # engine splits n_ctx evenly among slots, and memfit counts all of them.
+    p.n_parallel = parallel
+    p.n_ctx = opts.n_ctx * parallel
+    # Embeddings of several inputs in one batch came out wrong with per-slot
+    # caches (measured: xllamacpp 2026.10, mean pooling); a unified cache
+    # gives the same vectors as one input at a time.
+    p.kv_unified = opts.embedding
+    # Fitting is ours (memfit): the engine must not change n_ctx or layers.
+    p.fit_params = False
+    # Sliding-window layers keep only their window, as memfit assumes.
+    p.swa_full = False
+    p.ctx_shift = False
+    p.n_gpu_layers = opts.n_gpu_layers
+    p.n_batch = PREFILL_BATCH
+    p.n_ubatch = PREFILL_BATCH
+    p.warmup = False
+    p.n_threads_http = 2
+    # We render prompts ourselves; the engine's own Jinja parse of the model's
+    # template refuses some real templates at load, and would fail the model.
+    p.use_jinja = False
+    p.chat_template = "chatml"
+    if opts.n_threads > 0:
+        p.cpuparams.n_threads = opts.n_threads
+        p.cpuparams_batch.n_threads = opts.n_threads
+    if opts.embedding:
+        p.embedding = True
+        p.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
+    if opts.cache_type != "f16":
+        p.cache_type_k = CACHE_TYPES[opts.cache_type]
+        p.cache_type_v = CACHE_TYPES[opts.cache_type]
+        # llama.cpp needs flash attention for a quantized V cache.
+        p.flash_attn_type = xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    if opts.draft_ngram > 0:
+        p.speculative.types = [xllamacpp.common_speculative_type.COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE]
+        p.speculative.ngram_simple.size_m = opts.draft_ngram
+    p.hostnames = [opts.engine_socket]
+    return p
+
+
+def _sampling(params: SamplingParams, grammar: str | None, stops: list[str]) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+        "min_p": params.min_p, "repeat_penalty": params.repeat_penalty,
+        "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+        "stop": stops, "ignore_eos": params.ignore_eos,
+    }
+    if params.seed is not None:
+        body["seed"] = params.seed & 0xFFFFFFFF
+    if params.max_tokens is not None:
+        body["max_tokens"] = params.max_tokens
+    if grammar is not None:
+        body["grammar"] = grammar
+    return body
+
+
+def output_grammar(params: SamplingParams) -> str | None:
+    """The GBNF that constrains the output, bounded first: a too deep grammar
+    crashes llama.cpp's parser."""
+    if params.grammar:
+        return check_grammar(params.grammar)
+    if params.json_schema:
+        return schema_to_grammar(params.json_schema)
+    if params.json_object:
+        return json_object_gbnf()
+    return None
+
+
+class _Stream:
+    """One generation's view of the engine's chunks."""
+
+    def __init__(self, req: Generate, emit: Emit, cancelled: threading.Event) -> None:
+        self.req = req
+        self.emit = emit
+        self.cancelled = cancelled
+        self.started_at = time.perf_counter()
+        self.first_at: float | None = None
+        self.prompt_tokens = 0
+        self.cached = 0
+        self.generated = 0
+        self.finish = "length"
+        self.error: dict[str, Any] | None = None
+        self.began = False
+
+    def on_chunk(self, chunk: Any) -> bool:
+        for item in chunk if isinstance(chunk, list) else [chunk]:
+            self._one(item)
+        return self.cancelled.is_set()
+
+    def _one(self, chunk: dict[str, Any]) -> None:
+        if "error" in chunk:
+            self.error = chunk["error"]
+            return
+        progress = chunk.get("prompt_progress")
+        if progress is not None and not self.began:
+            self.began = True
+            self.prompt_tokens = int(progress.get("total", 0))
+            self.cached = int(progress.get("cache", 0))
+            self.emit(Started(self.req.id, self.prompt_tokens))
+        timings = chunk.get("timings") or {}
+        n = int(timings.get("predicted_n", self.generated))
+        if "cache_n" in timings:
+            self.cached = int(timings["cache_n"])
+            self.prompt_tokens = self.cached + int(timings.get("prompt_n", 0))
+        for choice in chunk.get("choices", []):
+            text = choice.get("text") or ""
+            if text or n > self.generated:
+                if self.first_at is None:
+                    self.first_at = time.perf_counter()
+                self.emit(Delta(self.req.id, text, max(0, n - self.generated)))
+                self.generated = max(self.generated, n)
+            if choice.get("finish_reason"):
+                self.finish = str(choice["finish_reason"])
+        usage = chunk.get("usage")
+        if usage:
+            self.generated = int(usage.get("completion_tokens", self.generated))
+            self.prompt_tokens = int(usage.get("prompt_tokens", self.prompt_tokens))
+            details = usage.get("prompt_tokens_details") or {}
+            self.cached = int(details.get("cached_tokens", self.cached))
+
+    def done(self) -> Done:
+        now = time.perf_counter()
+        first = self.first_at if self.first_at is not None else now
+        finish = "cancelled" if self.cancelled.is_set() else self.finish
+        if finish not in ("stop", "length", "cancelled"):
+            finish = "stop"
+        return Done(self.req.id, finish, self.prompt_tokens, self.generated,  # type: ignore[arg-type]
+                    self.cached, first - self.started_at, now - first)
 
 
 class Engine:
     def __init__(self, opts: EngineOptions) -> None:
         self.opts = opts
         self.counters = Counters()
-        kwargs: dict[str, Any] = {
-            "model_path": opts.model_path,
-            "n_ctx": opts.n_ctx,
-            "n_gpu_layers": opts.n_gpu_layers,
-            "embedding": opts.embedding,
-            "verbose": False,
-        }
-        if opts.n_threads > 0:
-            kwargs["n_threads"] = opts.n_threads
-        if opts.embedding:
-            kwargs["pooling_type"] = llama_cpp.LLAMA_POOLING_TYPE_MEAN
-        if opts.cache_type != "f16":
-            ggml_type = CACHE_TYPES[opts.cache_type]
-            # llama.cpp needs flash attention for a quantized V cache.
-            kwargs.update(type_k=ggml_type, type_v=ggml_type, flash_attn=True)
-        if opts.draft_ngram > 0:
-            kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=opts.draft_ngram)
-            # Drafting verifies with every position's logits; llama-cpp-python
-            # sizes its logits buffer from this flag (n_ctx x n_vocab floats),
-            # not from the draft model, so it must be set explicitly.
-            kwargs["logits_all"] = True
+        path = Path(opts.model_path)
         try:
-            self.llm = llama_cpp.Llama(**kwargs)
-        except (ValueError, RuntimeError, OSError) as exc:
+            meta = read_metadata(path)
+        except (OSError, GGUFMetaError) as exc:
             raise LoadError(f"cannot load {opts.model_path}: {exc}") from exc
-        self._vocab = self.llm._model.vocab
-        self._piece_buf = ctypes.create_string_buffer(256)
-        template = self.llm.metadata.get("tokenizer.chat_template")
-        self.renderer = ChatRenderer(template, self._token_text(self.llm.token_bos()),
-                                     self._token_text(self.llm.token_eos()))
+        sock = Path(opts.engine_socket)
+        # A stale socket file makes the engine's listener fail to bind.
+        sock.unlink(missing_ok=True)
+        try:
+            self.server = xllamacpp.Server(_params(opts))
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise LoadError(f"cannot load {opts.model_path}: {exc}") from exc
+        self.http = UnixJSONClient(sock)
+        props = self.http.request("GET", "/props")
+        info = self.http.request("GET", "/v1/models")["data"][0].get("meta", {})
+        raw_template = meta.get("tokenizer.chat_template")
+        template = raw_template if isinstance(raw_template, str) else None
+        self.renderer = ChatRenderer(template, str(props.get("bos_token") or ""),
+                                     str(props.get("eos_token") or ""))
+        self.n_ctx = int(props["default_generation_settings"]["n_ctx"])
         self.facts = ModelFacts(
             path=opts.model_path,
-            n_ctx=self.llm.n_ctx(),
-            n_ctx_train=self.llm._model.n_ctx_train(),
-            n_vocab=self.llm.n_vocab(),
+            n_ctx=self.n_ctx,
+            n_ctx_train=int(info.get("n_ctx_train", self.n_ctx)),
+            n_vocab=int(info.get("n_vocab", 0)),
             has_chat_template=template is not None,
             embedding=opts.embedding,
             chat_template=template,
         )
 
-    # ------------------------------------------------------------ tokens
-
-    def _piece(self, token: int, special: bool = False) -> bytes:
-        n = llama_cpp.llama_token_to_piece(self._vocab, token, self._piece_buf, 256, 0, special)
-        if n < 0:
-            big = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, big, -n, 0, special)
-            return bytes(big.raw[:n])
-        return bytes(self._piece_buf.raw[:n])
-
-    def _token_text(self, token: int) -> str:
-        if token < 0:
-            return ""
-        return self._piece(token, special=True).decode("utf-8", errors="replace")
-
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
-
-    def _is_eog(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
-
-    # ------------------------------------------------------------ generation
+        return self.http.tokenize(text, add_special=add_special, parse_special=True)
 
     def prompt_text(self, req: Generate) -> tuple[str, list[str]]:
         if req.messages is not None:
@@ -129,126 +259,48 @@ class Engine:
             return text, self.renderer.extra_stops
         return req.prompt or "", []
 
-    def _grammar(self, params: SamplingParams) -> LlamaGrammar | None:
-        # Bounded first: a too deep grammar crashes llama.cpp's parser.
-        if params.grammar:
-            return LlamaGrammar.from_string(check_grammar(params.grammar), verbose=False)
-        if params.json_schema:
-            return LlamaGrammar.from_string(schema_to_grammar(params.json_schema), verbose=False)
-        if params.json_object:
-            return LlamaGrammar.from_string(JSON_GBNF, verbose=False)
-        return None
-
-    def _prefill(self, tokens: list[int], cancelled: threading.Event) -> int | None:
-        """Evaluate all but the last prompt token in batches; reuse a cached prefix.
-
-        Returns the number of cached tokens, or None when cancelled. generate()
-        then finds the evaluated prefix and only decodes the last token.
-        """
-        llm = self.llm
-        common = 0
-        limit = min(llm.n_tokens, len(tokens) - 1)
-        ids = llm.input_ids
-        while common < limit and ids[common] == tokens[common]:
-            common += 1
-        if common < llm.n_tokens:
-            if not llm._ctx.kv_cache_seq_rm(-1, common, -1):
-                common = 0
-                llm.reset()  # type: ignore[no-untyped-call]
-            llm.n_tokens = common
-        cached = common
-        todo = tokens[common:-1]
-        step = llm.n_batch
-        for i in range(0, len(todo), step):
-            if cancelled.is_set():
-                return None
-            llm.eval(todo[i : i + step])
-        return cached
-
     def generate(self, req: Generate, emit: Emit, cancelled: threading.Event) -> None:
-        started = time.perf_counter()
         try:
             text, extra_stops = self.prompt_text(req)
-            grammar = self._grammar(req.params)
+            grammar = output_grammar(req.params)
         except TemplateError as exc:
             emit(Error(req.id, "template_error", str(exc)))
             return
-        except (ValueError, RuntimeError, json.JSONDecodeError) as exc:
+        except (ValueError, json.JSONDecodeError) as exc:
             emit(Error(req.id, "invalid_grammar", f"cannot build the output grammar: {exc}"))
             return
-        tokens = self.tokenize(text)
-        n_ctx = self.llm.n_ctx()
-        if len(tokens) >= n_ctx:
-            emit(Error(req.id, "context_length_exceeded",
-                       f"the prompt has {len(tokens)} tokens; the model's context is {n_ctx}"))
+        body = _sampling(req.params, grammar, [*req.params.stop, *extra_stops])
+        body.update(prompt=text, stream=True, return_progress=True, timings_per_token=True,
+                    cache_prompt=True)
+        stream = _Stream(req, emit, cancelled)
+        self.server.handle_completions(body, stream.on_chunk)
+        if stream.error is not None and not stream.began:
+            emit(self._rejection(req, stream.error, grammar is not None))
             return
-        if not tokens:
-            tokens = [self.llm.token_bos()]
-        emit(Started(req.id, len(tokens)))
-        room = n_ctx - len(tokens)
-        max_tokens = room if req.params.max_tokens is None else min(req.params.max_tokens, room)
-        cached = self._prefill(tokens, cancelled)
-        if cached is None:
-            self.counters.requests_cancelled += 1
-            emit(Done(req.id, "cancelled", len(tokens), 0, 0, time.perf_counter() - started, 0.0))
+        if stream.error is not None:
+            emit(Error(req.id, "engine_error", str(stream.error.get("message", stream.error))))
             return
-        self._decode(req, tokens, cached, max_tokens, grammar, extra_stops, emit, cancelled, started)
+        done = stream.done()
+        self.counters.count(done.finish_reason, done.completion_tokens)
+        emit(done)
 
-    def _decode(
-        self,
-        req: Generate,
-        tokens: list[int],
-        cached: int,
-        max_tokens: int,
-        grammar: LlamaGrammar | None,
-        extra_stops: list[str],
-        emit: Emit,
-        cancelled: threading.Event,
-        started: float,
-    ) -> None:
-        p = req.params
-        self.llm.set_seed(p.seed if p.seed is not None else llama_cpp.LLAMA_DEFAULT_SEED)
-        detok = Detokenizer(self._piece, [*p.stop, *extra_stops])
-        finish: str = "length"
-        n = 0
-        first_at: float | None = None
-        gen = self.llm.generate(
-            tokens, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, temp=p.temperature,
-            repeat_penalty=p.repeat_penalty, frequency_penalty=p.frequency_penalty,
-            presence_penalty=p.presence_penalty, grammar=grammar,
-        )
-        try:
-            while n < max_tokens:
-                token = next(gen)
-                if first_at is None:
-                    first_at = time.perf_counter()
-                if cancelled.is_set():
-                    finish = "cancelled"
-                    break
-                if self._is_eog(token) and not p.ignore_eos:
-                    finish = "stop"
-                    break
-                n += 1
-                piece = detok.push(token)
-                if piece:
-                    emit(Delta(req.id, piece, 1))
-                if detok.stopped:
-                    finish = "stop"
-                    break
-        finally:
-            gen.close()
-        tail = detok.flush()
-        if tail:
-            emit(Delta(req.id, tail, 0))
-        now = time.perf_counter()
-        first = first_at if first_at is not None else now
-        self.counters.tokens_generated += n
-        if finish == "cancelled":
-            self.counters.requests_cancelled += 1
-        else:
-            self.counters.requests_done += 1
-        emit(Done(req.id, finish, len(tokens), n, cached, first - started, now - first))  # type: ignore[arg-type]
+    def _rejection(self, req: Generate, error: dict[str, Any], has_grammar: bool) -> Error:
+        """A request the engine refused before its slot began."""
+        message = str(error.get("message", "the engine refused the request"))
+        if error.get("type") == "exceed_context_size_error":
+            return Error(req.id, "context_length_exceeded",
+                         f"the prompt has {error.get('n_prompt_tokens')} tokens; "
+                         f"the model's context is {error.get('n_ctx', self.n_ctx)}")
+        if error.get("type") == "invalid_request_error" and has_grammar:
+            # Our own request fields are valid by construction; a refused
+            # request that carried a grammar was refused for its grammar.
+            return Error(req.id, "invalid_grammar", f"cannot build the output grammar: {message}")
+        return Error(req.id, "invalid_request", message)
 
     def embed(self, inputs: list[str]) -> tuple[list[list[float]], int]:
-        vectors, count = self.llm.embed(inputs, normalize=True, return_count=True)
-        return [list(map(float, v)) for v in vectors], int(count)
+        out = self.server.handle_embeddings({"input": inputs})
+        if "error" in out:
+            raise ValueError(str(out["error"].get("message", out["error"])))
+        data = sorted(out["data"], key=lambda d: int(d["index"]))
+        vectors = [[float(x) for x in d["embedding"]] for d in data]
+        return vectors, int(out.get("usage", {}).get("prompt_tokens", 0))

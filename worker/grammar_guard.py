@@ -1,11 +1,12 @@
 """Bounds on client-supplied JSON schemas and the grammars built from them.
 
-llama-cpp-python expands a schema's counts into the grammar text
-(``maxLength: 1000`` becomes 1,000 nested groups), and llama.cpp parses
-grammars recursively: a count of about 1,200 overflows the worker's stack
-(SIGSEGV), and a count of 10**9 exhausts its memory before parsing starts. A
-client request must never crash a worker, so both are refused up front as
-bad requests (:class:`GrammarRejected`, a ``ValueError``).
+llama.cpp parses grammars recursively: nesting of about 1,200 groups
+overflows the worker's stack (SIGSEGV), and a repetition count of 10**9
+exhausts its memory before parsing starts. A client request must never crash
+a worker, so both are refused up front as bad requests
+(:class:`GrammarRejected`, a ``ValueError``). Our schema converter writes no
+counts out, but schemas are still bounded: a client's grammar may be passed
+through as it is elsewhere.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from llama_cpp.llama_grammar import json_schema_to_gbnf
+from worker.schema_gbnf import schema_gbnf
 
 # Half the nesting measured to crash, for headroom on other stacks.
 MAX_GRAMMAR_DEPTH = 512
@@ -75,8 +76,7 @@ def schema_to_grammar(schema_json: str) -> str:
         raise GrammarRejected(f"the JSON schema is not valid JSON: {exc}") from exc
     _check_counts(schema, "schema")
     try:
-        gbnf = json_schema_to_gbnf(schema_json)
-    except (AssertionError, AttributeError, KeyError, TypeError, RecursionError) as exc:
-        # The converter reports schemas it cannot handle with these.
-        raise GrammarRejected(f"unsupported JSON schema: {type(exc).__name__}: {exc}") from exc
+        gbnf = schema_gbnf(schema)
+    except RecursionError as exc:
+        raise GrammarRejected("the JSON schema is nested too deeply") from exc
     return check_grammar(gbnf)

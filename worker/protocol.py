@@ -194,6 +194,8 @@ class WorkerStats(msgspec.Struct):
     requests_cancelled: int
     tokens_generated: int
     active_id: int | None = None
+    # Requests running at once (up to the worker's parallel slots).
+    active: int = 0
 
 
 class Pong(msgspec.Struct, tag=True):

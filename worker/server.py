@@ -1,8 +1,10 @@
-"""The worker's IPC loop: one connection to the parent, one generation thread.
+"""The worker's IPC loop: one connection to the parent, a thread per request.
 
-Frames are read on the asyncio loop; generation and embedding run on a single
-worker thread. Messages produced by that thread are queued and written by the
-loop, merging consecutive deltas of one request when the loop falls behind.
+Frames are read on the asyncio loop; each generation, embedding or
+tokenization runs on its own thread of a pool sized to the engine's slots,
+and the engine batches the generations running at once. Messages produced by
+those threads are queued and written by the loop, merging consecutive deltas
+of one request when the loop falls behind.
 """
 
 from __future__ import annotations
@@ -100,16 +102,20 @@ class WorkerServer:
         self.writer = writer
         self.heartbeat_s = heartbeat_s
         self.outbox = Outbox(asyncio.get_running_loop(), writer)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        # One thread per slot, plus room for tokenize/embed calls beside them:
+        # the parent sends at most ``parallel`` requests at once.
+        workers = max(1, engine.opts.parallel) + 2
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="request")
         self.codec = p.worker_codec()
         self.cancels: dict[int, threading.Event] = {}
-        self.active: int | None = None
+        self.active: set[int] = set()
         self.pending = 0
 
     def stats(self) -> p.WorkerStats:
         c = self.engine.counters
+        active = min(self.active, default=None)
         return p.WorkerStats(self.pending > 0, c.requests_done, c.requests_cancelled,
-                             c.tokens_generated, self.active)
+                             c.tokens_generated, active, len(self.active))
 
     async def heartbeat(self) -> None:
         while True:
@@ -158,7 +164,8 @@ class WorkerServer:
             case p.Ping():
                 self.outbox.send(p.Pong(msg.seq, self.stats()))
             case p.Tokenize():
-                self.outbox.send(p.Tokens(msg.id, self.engine.tokenize(msg.text, msg.add_special)))
+                self._start(msg.id, lambda ev: self.outbox.put(
+                    p.Tokens(msg.id, self.engine.tokenize(msg.text, msg.add_special))))
 
     def _logged(self, msg: p.Generate) -> Callable[[msgspec.Struct], None]:
         """The outbox's put, logging how the request ended (with the parent's
@@ -184,9 +191,8 @@ class WorkerServer:
         self.outbox.put(p.Embeddings(msg.id, vectors, count))
 
     def _start(self, req_id: int, work: Callable[[threading.Event], None]) -> None:
-        # The single-thread executor runs requests one at a time, in order: a
-        # request the parent sends right after the previous Done (before our
-        # done-callback ran) simply waits its turn.
+        # A request the parent sends right after another's Done (before our
+        # done-callback ran) may briefly find every thread busy: it waits its turn.
         ev = threading.Event()
         self.cancels[req_id] = ev
         self.pending += 1
@@ -194,11 +200,11 @@ class WorkerServer:
         fut.add_done_callback(lambda f: self._finished(req_id, f))
 
     def _run_work(self, req_id: int, work: Callable[[threading.Event], None], ev: threading.Event) -> None:
-        self.active = req_id
+        self.active.add(req_id)
         try:
             work(ev)
         finally:
-            self.active = None
+            self.active.discard(req_id)
 
     def _finished(self, req_id: int, fut: asyncio.Future[None]) -> None:
         self.cancels.pop(req_id, None)
@@ -216,7 +222,9 @@ async def run(opts: EngineOptions, socket_path: str, heartbeat_s: float) -> int:
     reader, writer = await asyncio.open_unix_connection(socket_path)
     codec = p.worker_codec()
     try:
-        engine = Engine(opts)
+        # Loading takes seconds to minutes in native code: off the loop, so
+        # the connection stays serviced meanwhile.
+        engine = await asyncio.to_thread(Engine, opts)
     except LoadError as exc:
         writer.write(codec.encode(p.LoadFailed(p.PROTOCOL_VERSION, str(exc))))
         await writer.drain()

@@ -1,0 +1,74 @@
+"""JSON over HTTP/1.1 on a Unix socket: how we reach the engine's own listener.
+
+The engine (xllamacpp's embedded llama.cpp server) serves its extra endpoints
+(``/tokenize``, ``/v1/models``) only over HTTP. Its listener is bound to a
+private Unix socket, never to TCP, so nothing outside this process tree can
+reach it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+
+class EngineHTTPError(Exception):
+    """The engine answered with a non-2xx status."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"engine answered {status}: {body[:500]}")
+        self.status = status
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+class UnixJSONClient:
+    """One keep-alive connection per thread to the engine's Unix socket."""
+
+    def __init__(self, path: Path, timeout: float = 60.0) -> None:
+        self._path = str(path)
+        self._timeout = timeout
+        self._local = threading.local()
+
+    def _conn(self) -> _UnixConnection:
+        conn: _UnixConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = _UnixConnection(self._path, self._timeout)
+            self._local.conn = conn
+        return conn
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        conn = self._conn()
+        try:
+            conn.request(method, path, data, headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except (OSError, http.client.HTTPException):
+            # A dropped keep-alive connection: the next call opens a new one.
+            conn.close()
+            self._local.conn = None
+            raise
+        if not 200 <= resp.status < 300:
+            raise EngineHTTPError(resp.status, raw.decode("utf-8", "replace"))
+        return json.loads(raw)
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        out = self.request("POST", "/tokenize",
+                           {"content": text, "add_special": add_special, "parse_special": parse_special})
+        return [int(t) for t in out["tokens"]]
