@@ -43,7 +43,11 @@ function gpuCard(gpu) {
       h('a', { href: `#/jobs/${encodeURIComponent(w.job_id)}`, text: w.label || w.job_id }),
       ` wants ${w.devices.join(', ')} · priority ${w.priority} · waiting ${formatDuration(w.waited_s)}`))))
     : h('p', { class: 'small muted', text: 'Nobody is waiting.' });
-  return card('GPU lease', [devices, waiters]);
+  // The machine has GPUs the installed engine build cannot use.
+  const engine = gpu.engine && gpu.engine.warning
+    ? h('p', { class: 'notice warning engine-warning', role: 'status', text: gpu.engine.warning })
+    : null;
+  return card('GPU lease', [engine, devices, waiters]);
 }
 
 function modelsCard(models) {
