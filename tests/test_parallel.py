@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from supervisor.demo_model import write_tiny_gguf
 from tests.server import Server, short_tempdir
 
 pytestmark = pytest.mark.timeout(180)
@@ -159,3 +160,53 @@ def test_embeddings_in_parallel_equal_one_at_a_time(tiny_model_path: Path,
         assert concurrent[i] == pytest.approx(vec, abs=1e-5)
     workers = httpx.get(srv.base_url + "/api/workers").json()["workers"]
     assert [w["parallel"] for w in workers if w["mode"] == "embedding"] == [2]
+
+
+@pytest.fixture(scope="module")
+def slow_prefill_model() -> Path:
+    """Big enough that a 6,000-token prompt (2,000 words) takes seconds to prefill on a CPU."""
+    models = short_tempdir("gvs")
+    write_tiny_gguf(models / "mid.gguf", n_embd=256, n_layer=4, n_head=4, n_head_kv=2, n_ff=512,
+                    n_ctx=8192, name="mid")
+    return models
+
+
+def _prompt(words: int, salt: str) -> str:
+    # About three tokens per word: the tiny vocab spells words out in bytes.
+    return salt + " " + " ".join(["the", "a", "is", "of", "and", "to", "in", "it"] * (words // 8))
+
+
+def test_a_cancel_during_a_long_prefill_frees_the_slot_early(slow_prefill_model: Path,
+                                                            start_server: Callable[..., Server]) -> None:
+    """The engine reports prefill progress once per 512-token batch, and a
+    cancel is honoured there: the slot frees long before the prefill would end."""
+    srv = start_server(slow_prefill_model, env={"GPUVISOR_N_CTX": "8192", "GPUVISOR_PARALLEL": "1",
+                                                "GPUVISOR_N_THREADS": "1"})
+    url = srv.base_url + "/v1/completions"
+
+    def body(prompt: str, max_tokens: int = 1) -> dict[str, Any]:
+        return {"model": "mid", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+
+    async def run() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        async with httpx.AsyncClient(timeout=120) as c:
+            t0 = loop.time()
+            full = await c.post(url, json=body(_prompt(2000, "yes")))
+            assert full.status_code == 200, full.text
+            full_s = loop.time() - t0
+            # Same length, another first word: nothing of it is cached.
+            doomed = asyncio.create_task(c.post(url, json=body(_prompt(2000, "no"))))
+            while not (await c.get(srv.base_url + "/api/workers")).json()["workers"][0]["in_flight"]:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(min(0.3, full_s / 10))
+            doomed.cancel()
+            await asyncio.gather(doomed, return_exceptions=True)
+            t1 = loop.time()
+            after = await c.post(url, json=body("hello", 4))
+            assert after.status_code == 200, after.text
+            return full_s, loop.time() - t1
+
+    full_s, after_s = asyncio.run(run())
+    assert full_s > 1.0, f"the prefill was too fast to test a cancel in it ({full_s:.2f} s)"
+    # Without the cancel the short request would wait out most of a whole prefill.
+    assert after_s < 0.6 * full_s, (after_s, full_s)
