@@ -67,11 +67,12 @@ def test_sigterm_ends_streams_cleanly_and_leaves_nothing(
     assert children  # the model worker
     t0 = time.monotonic()
     assert srv.stop(signal.SIGTERM) == 0
-    reader.join(10)
+    reader.join(20)
     assert not reader.is_alive()
-    # The stream ended with an error event, not a cut connection, within the bound.
+    # The stream ended with an error event, not a cut connection. The bound is
+    # coarse (a 1 s drain, then the worker's stop): a hang, not a slow machine.
     assert reader.events[-1]["error"]["code"] == "shutting_down", reader.events[-1]
-    assert reader.ended_at - t0 < 5
+    assert reader.ended_at - t0 < 15
     assert _none_alive(children)
     assert "stopped" in srv.log_text()
 
