@@ -171,11 +171,13 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     pool = request.app[POOL]
-    # Not ready while workers exist but none serves (booting, crashed, failed).
-    # With no worker at all (nothing preloaded, or unloaded after keep-alive)
-    # models load on demand: ready.
-    ready = pool.any_ready() or not pool.handles
-    body = {"ready": ready, "workers": pool.workers()}
+    # Ready when some model's generation worker serves, or none exists (models
+    # load on demand). Not ready while generation workers exist and none
+    # serves (booting, crashed, failed): an embedding worker alone does not
+    # count. ``models`` gives each loaded model's own readiness.
+    models = pool.readiness()
+    ready = any(models.values()) or not models
+    body = {"ready": ready, "models": models, "workers": pool.workers()}
     return json_response(body, status=200 if ready else 503)
 
 

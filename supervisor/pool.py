@@ -359,6 +359,15 @@ class WorkerPool:
     def any_ready(self) -> bool:
         return any(h.state is WorkerState.READY for h in self.handles.values())
 
+    def readiness(self) -> dict[str, bool]:
+        """Per model with a generation worker: does it serve chat and completions?
+
+        A model's embedding worker does not make it ready: it serves only
+        ``/v1/embeddings``.
+        """
+        return {model: h.state is WorkerState.READY
+                for (model, embedding), h in self.handles.items() if not embedding}
+
 
 def describe(h: WorkerHandle) -> dict[str, Any]:
     expires = None

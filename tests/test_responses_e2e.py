@@ -296,7 +296,8 @@ def test_worker_killed_mid_stream_fails_the_response(server: Server) -> None:
     validate_events(events)
     final = events[-1]
     assert final["type"] == "response.failed", "generation outran the kill"
-    assert final["response"]["error"]["code"] == "worker_crashed"
+    assert final["response"]["error"]["code"] == "server_error"
+    assert final["response"]["error"]["cause"] == "worker_crashed"
     server.wait_worker(lambda w: w["state"] == "ready")
 
 

@@ -214,3 +214,19 @@ def test_a_large_worker_log_is_rotated_when_the_worker_starts(tiny_model_path: P
     with running(srv):
         assert (logs / "tiny.log.1").stat().st_size == 33 << 20
         assert (logs / "tiny.log").stat().st_size < 1 << 20  # a fresh log for this worker
+
+
+def test_readyz_is_not_fooled_by_an_embedding_worker(tiny_model_path: Path,
+                                                     start_server: Callable[..., Server]) -> None:
+    srv = start_server(_models(tiny_model_path), env={"GPUVISOR_CRASH_LIMIT": "1"})
+    r = httpx.post(srv.base_url + "/v1/embeddings", json={"model": srv.model, "input": "hi"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert httpx.get(srv.base_url + "/readyz").json()["models"] == {"tiny": True}
+    srv.kill_worker()
+    srv.wait_worker(lambda w: w["state"] == "failed")
+    ready = httpx.get(srv.base_url + "/readyz")
+    assert ready.status_code == 503, ready.text
+    assert ready.json()["models"] == {"tiny": False}
+    # The embedding worker still serves embeddings.
+    assert httpx.post(srv.base_url + "/v1/embeddings", json={"model": srv.model, "input": "hi"},
+                      timeout=60).status_code == 200

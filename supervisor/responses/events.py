@@ -107,7 +107,7 @@ class EventBuilder:
     def failed(self, code: str, message: str, usage: Usage | None = None) -> list[Event]:
         out = self._close(item_status="incomplete")
         self.response.status = "failed"
-        self.response.error = ErrorInfo(code=code, message=message)
+        self.response.error = ErrorInfo.of(code, message)
         self.response.usage = usage
         return out + [self._event("response.failed", response=self.response)]
 

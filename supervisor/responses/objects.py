@@ -46,10 +46,26 @@ class Usage(msgspec.Struct):
         )
 
 
+# OpenAI's ResponseError.code is a closed list that strict clients validate;
+# our own code (worker_crashed, evicted, queue_full, ...) goes in ``cause``.
+_RATE_LIMITED = frozenset({"queue_full", "no_capacity", "rate_limited"})
+_BAD_PROMPT = frozenset({"context_length_exceeded", "invalid_grammar", "template_error", "invalid_request"})
+
+
 class ErrorInfo(msgspec.Struct):
-    # Our codes name the cause (worker_crashed, evicted, queue_full, ...).
     code: str
     message: str
+    cause: str | None = None
+
+    @classmethod
+    def of(cls, cause: str, message: str) -> ErrorInfo:
+        if cause in _RATE_LIMITED:
+            code = "rate_limit_exceeded"
+        elif cause in _BAD_PROMPT:
+            code = "invalid_prompt"
+        else:
+            code = "server_error"
+        return cls(code=code, message=message, cause=cause)
 
 
 class IncompleteDetails(msgspec.Struct):

@@ -177,7 +177,7 @@ class ResponseStore:
             for row in rows:
                 resp = _body_decoder.decode(row[0])
                 resp.status = "failed"
-                resp.error = ErrorInfo(code="interrupted", message="the server restarted while this response ran")
+                resp.error = ErrorInfo.of("interrupted", "the server restarted while this response ran")
                 await conn.execute(
                     "UPDATE responses SET status = ?, body = ? WHERE id = ?",
                     (resp.status, _body_encoder.encode(resp), resp.id),
