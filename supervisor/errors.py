@@ -112,6 +112,23 @@ class StorageFull(ApiError):
     code = "storage_full"
 
 
+# Honoured by the OpenAI SDKs: their automatic retries would only repeat a
+# failure that waiting cannot fix (and re-crash a worker on a poison request).
+NO_RETRY = {"x-should-retry": "false"}
+
+
+class ModelFailed(ApiError):
+    """The model is marked failed (load error or crash loop) until it is loaded
+    again (503, no Retry-After: it does not recover by itself)."""
+
+    status = 503
+    type = "server_error"
+    code = "model_failed"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers=dict(NO_RETRY))
+
+
 class Unavailable(ApiError):
     """Temporarily refused (503); always carries Retry-After."""
 

@@ -17,8 +17,10 @@ from typing import Any, Protocol
 
 from supervisor.config import DEFAULT_PARALLEL_CPU, DEFAULT_PARALLEL_GPU, ModelSettings, parse_duration
 from supervisor.errors import (
+    NO_RETRY,
     ApiError,
     BadRequest,
+    ModelFailed,
     ModelNotFound,
     Unavailable,
     UpstreamError,
@@ -282,8 +284,8 @@ class WorkerPool:
             raise Unavailable(str(exc), retry_after=2, code="queue_full") from exc
         except NotAccepting as exc:
             if exc.state is WorkerState.FAILED:
-                raise Unavailable(f"model '{handle.spec.model_id}' failed: {exc.reason}",
-                                  retry_after=30, code="model_failed") from exc
+                raise ModelFailed(f"model '{handle.spec.model_id}' failed: {exc.reason}; "
+                                  f"load it again to retry (POST /api/models/{handle.spec.model_id}/load)") from exc
             raise Unavailable(f"model '{handle.spec.model_id}' is {exc.state.value}: {exc.reason}",
                               retry_after=5, code="model_unavailable") from exc
 
@@ -291,8 +293,8 @@ class WorkerPool:
         handle = await self.load(model_id, embedding)
         while handle.facts is None:
             if handle.state is WorkerState.FAILED:
-                raise Unavailable(f"model '{model_id}' failed: {handle.reason}",
-                                  retry_after=30, code="model_failed")
+                raise ModelFailed(f"model '{model_id}' failed: {handle.reason}; "
+                                  f"load it again to retry (POST /api/models/{model_id}/load)")
             if handle.state in (WorkerState.STOPPING, WorkerState.STOPPED):
                 # Unloaded before it was ever ready: nothing will fill the facts in.
                 raise Unavailable(f"model '{model_id}' was unloaded while it loaded",
@@ -355,9 +357,6 @@ class WorkerPool:
 
     def workers(self) -> list[dict[str, Any]]:
         return [describe(h) for h in self.handles.values()]
-
-    def any_ready(self) -> bool:
-        return any(h.state is WorkerState.READY for h in self.handles.values())
 
     def readiness(self) -> dict[str, bool]:
         """Per model with a generation worker: does it serve chat and completions?
@@ -476,8 +475,13 @@ def _blamed_param(code: str, msg: p.Generate | p.Embed | p.Tokenize) -> str | No
 
 def _as_api_error(ev: p.Error | WorkerGone | p.FromWorker, msg: p.Generate | p.Embed | p.Tokenize) -> ApiError:
     if isinstance(ev, WorkerGone):
-        if ev.code in ("evicted", "worker_crashed"):
+        if ev.code == "worker_crashed":
+            # The same request may crash the restarted worker again.
+            return UpstreamError(ev.message, code=ev.code, headers=dict(NO_RETRY))
+        if ev.code == "evicted":
             return UpstreamError(ev.message, code=ev.code)
+        if ev.code == "model_failed":
+            return ModelFailed(ev.message)
         return Unavailable(ev.message, retry_after=5, code=ev.code)
     if isinstance(ev, p.Error):
         if ev.code in _CLIENT_ERRORS:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 import pytest
 
@@ -97,6 +98,9 @@ def test_non_streaming_request_gets_502_when_the_worker_dies(long_server: Server
     resp = asyncio.run(run())
     assert resp.status_code == 502
     assert resp.json()["error"]["code"] == "worker_crashed"
+    # A request that crashed a worker is not retried by the SDKs: it may be a
+    # poison request that would crash the restarted worker too.
+    assert resp.headers["x-should-retry"] == "false"
 
 
 def test_crash_loop_marks_the_model_failed(tiny_model_path: Path,
@@ -112,6 +116,14 @@ def test_crash_loop_marks_the_model_failed(tiny_model_path: Path,
     r = httpx.post(srv.base_url + "/v1/chat/completions", json={
         "model": srv.model, "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 503 and r.json()["error"]["code"] == "model_failed"
+    # Waiting does not fix a failed model: no Retry-After, and the SDKs' own
+    # retries are told off (x-should-retry), so a client fails at once.
+    assert "Retry-After" not in r.headers and r.headers["x-should-retry"] == "false"
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", timeout=30)  # default retries
+    t0 = time.monotonic()
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "x"}])
+    assert time.monotonic() - t0 < 5, "the SDK retried a failed model"
     health = httpx.get(srv.base_url + "/healthz").json()
     assert health["workers"][0]["state"] == "failed"
 
