@@ -19,6 +19,8 @@ from worker.schema_gbnf import schema_gbnf
 
 # Half the nesting measured to crash, for headroom on other stacks.
 MAX_GRAMMAR_DEPTH = 512
+# The engine parses and holds the whole grammar per request.
+MAX_GRAMMAR_BYTES = 4 << 20
 # Counts the converter writes out one copy per unit.
 MAX_SCHEMA_COUNT = 10_000
 _COUNT_KEYS = frozenset({"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"})
@@ -44,6 +46,9 @@ def grammar_depth(gbnf: str) -> int:
 
 
 def check_grammar(gbnf: str) -> str:
+    if len(gbnf) > MAX_GRAMMAR_BYTES:
+        raise GrammarRejected(f"the output grammar is {len(gbnf)} bytes (limit {MAX_GRAMMAR_BYTES}); "
+                              "use a smaller schema")
     depth = grammar_depth(gbnf)
     if depth > MAX_GRAMMAR_DEPTH:
         raise GrammarRejected(

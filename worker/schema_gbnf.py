@@ -58,6 +58,7 @@ class SchemaGrammar:
     def __init__(self, strict: bool = False) -> None:
         self.rules: dict[str, str] = dict(_BASE_RULES)
         self._root_schema: dict[str, Any] = {}
+        self._suffix: dict[str, int] = {}
         self.strict = strict
 
     def _loose(self, why: str) -> str:
@@ -67,9 +68,12 @@ class SchemaGrammar:
 
     def rule_name(self, hint: str) -> str:
         base = re.sub(r"[^a-zA-Z0-9-]+", "-", hint).strip("-").lower() or "r"
-        name, n = base, 1
+        name = base
+        # A counter per base name: probing n, n+1, ... for each of thousands
+        # of colliding names was quadratic.
         while name in self.rules:
-            n += 1
+            n = self._suffix.get(base, 1) + 1
+            self._suffix[base] = n
             name = f"{base}-{n}"
         return name
 
@@ -135,23 +139,31 @@ class SchemaGrammar:
         props = schema.get("properties")
         if not isinstance(props, dict) or not props:
             return 'empty-object' if schema.get("additionalProperties") is False else "object"
-        required = [k for k in props if k in set(schema.get("required", []))]
-        optional = [k for k in props if k not in required]
+        wanted = set(schema.get("required", []))
+        required = [k for k in props if k in wanted]
+        optional = [k for k in props if k not in wanted]
+        # One rule per key/value pair, referenced by name: the grammar grows
+        # linearly with the number of properties.
         pairs = {
-            key: f"{_json_literal(key)} \":\" ws {self.schema_rule(sub, f'{hint}-{key}')}"
+            key: self.add(f"{hint}-kv", f"{_json_literal(key)} \":\" ws {self.schema_rule(sub, f'{hint}-{key}')}")
             for key, sub in props.items()
         }
-        body = ' "," ws '.join(pairs[k] for k in required)
         if required:
+            body = ' "," ws '.join(pairs[k] for k in required)
             body += "".join(f' ( "," ws {pairs[k]} )?' for k in optional)
-        elif optional:
-            # No required key: any non-empty ordered subset, or nothing.
-            alts = []
-            for i, key in enumerate(optional):
-                tail = "".join(f' ( "," ws {pairs[k]} )?' for k in optional[i + 1 :])
-                alts.append(pairs[key] + tail)
-            body = "( " + " | ".join(f"( {a} )" for a in alts) + " )?"
+        else:
+            body = self._optional_subset([pairs[k] for k in optional], hint)
         return self.add(hint, f'"{{" ws {body} ws "}}"')
+
+    def _optional_subset(self, pairs: list[str], hint: str) -> str:
+        """Any ordered subset of ``pairs``, empty included, in O(n) rules:
+        tail_i is "what may follow once pair i-1 was written"."""
+        tails = [""] * (len(pairs) + 1)
+        for i in range(len(pairs) - 1, 0, -1):
+            rest = f" {tails[i + 1]}" if tails[i + 1] else ""
+            tails[i] = self.add(f"{hint}-tail", f'( "," ws {pairs[i]} )?{rest}')
+        firsts = [f"{pair} {tails[i + 1]}".strip() for i, pair in enumerate(pairs)]
+        return "( " + " | ".join(firsts) + " )?"
 
     def render(self, root: str) -> str:
         lines = [f"root ::= {root}"]
