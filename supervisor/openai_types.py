@@ -252,6 +252,9 @@ class CompletionRequest(Sampling, kw_only=True):
         return self.prompt[0]
 
 
+MAX_EMBEDDING_INPUTS = 2048
+
+
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
     model: str
     input: str | list[str]
@@ -263,6 +266,9 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
         items = [self.input] if isinstance(self.input, str) else self.input
         if not items:
             raise BadRequest("input must not be empty", param="input")
+        if len(items) > MAX_EMBEDDING_INPUTS:
+            raise BadRequest(f"input has {len(items)} items; at most {MAX_EMBEDDING_INPUTS} per request "
+                             "(as OpenAI's API)", param="input")
         if self.dimensions is not None:
             raise BadRequest("dimensions is not supported", param="dimensions")
         return items

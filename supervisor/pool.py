@@ -63,6 +63,10 @@ class PoolConfig(Protocol):
     def model_settings(self, model_id: str) -> ModelSettings: ...
 
 
+# Inputs per Embed message to a worker.
+EMBED_BATCH = 32
+
+
 def _no_lease(_device: str) -> str | None:
     return None
 
@@ -340,9 +344,16 @@ class WorkerPool:
         return ev
 
     async def embed(self, model: str, inputs: list[str]) -> p.Embeddings:
-        ev = await self._call(model, True, p.Embed(0, inputs))
-        assert isinstance(ev, p.Embeddings)
-        return ev
+        # In batches: every reply frame stays far below the IPC frame limit
+        # (2,048 inputs of 4,096 floats would be about 75 MB in one frame).
+        vectors: list[list[float]] = []
+        tokens = 0
+        for start in range(0, max(1, len(inputs)), EMBED_BATCH):
+            ev = await self._call(model, True, p.Embed(0, inputs[start : start + EMBED_BATCH]))
+            assert isinstance(ev, p.Embeddings)
+            vectors += ev.vectors
+            tokens += ev.prompt_tokens
+        return p.Embeddings(0, vectors, tokens)
 
     async def tokenize(self, model: str, text: str, add_special: bool = True) -> list[int]:
         ev = await self._call(model, False, p.Tokenize(0, text, add_special))

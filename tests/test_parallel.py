@@ -210,3 +210,22 @@ def test_a_cancel_during_a_long_prefill_frees_the_slot_early(slow_prefill_model:
     assert full_s > 1.0, f"the prefill was too fast to test a cancel in it ({full_s:.2f} s)"
     # Without the cancel the short request would wait out most of a whole prefill.
     assert after_s < 0.6 * full_s, (after_s, full_s)
+
+
+def test_many_embeddings_in_one_request_are_answered(tiny_model_path: Path,
+                                                     start_server: Callable[..., Server]) -> None:
+    """Replies go in batches under the IPC frame limit; past OpenAI's 2,048
+    inputs the request is a 400, and embeddings keep working after either."""
+    srv = start_server(_models(tiny_model_path))
+    url = srv.base_url + "/v1/embeddings"
+    texts = [f"w{i} the" for i in range(300)]
+    r = httpx.post(url, json={"model": srv.model, "input": texts}, timeout=120)
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == list(range(300))
+    one = httpx.post(url, json={"model": srv.model, "input": texts[123]}, timeout=60).json()["data"][0]
+    assert data[123]["embedding"] == pytest.approx(one["embedding"], abs=1e-5)
+    too_many = httpx.post(url, json={"model": srv.model, "input": ["x"] * 2049}, timeout=60)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "input"
+    workers = httpx.get(srv.base_url + "/api/workers").json()["workers"]
+    assert all(w["in_flight"] == 0 for w in workers)

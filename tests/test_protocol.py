@@ -153,3 +153,39 @@ async def test_worker_exits_3_on_a_bad_model_file(tmp_path: Path) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+class _Sink:
+    """A StreamWriter stand-in that keeps what was written."""
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+
+async def test_a_reply_too_large_to_send_ends_its_request_with_an_error() -> None:
+    from worker.server import Outbox
+
+    sink = _Sink()
+    outbox = Outbox(asyncio.get_running_loop(), sink, coalesce_s=0)  # type: ignore[arg-type]
+    huge = p.Embeddings(7, [[0.5] * 1024] * 2100, 1)  # about 19 MiB of msgpack floats
+    outbox.put(huge)
+    outbox.put(p.Pong(1, p.WorkerStats(False, 0, 0, 0)))
+    for _ in range(10):
+        await asyncio.sleep(0)
+        if sink.data:
+            break
+    reader = asyncio.StreamReader()
+    reader.feed_data(sink.data)
+    reader.feed_eof()
+    codec = p.parent_codec()
+    replies = []
+    while (body := await p.read_frame(reader)) is not None:
+        replies.append(codec.decode(body))
+    assert [type(r).__name__ for r in replies] == ["Error", "Pong"]
+    assert replies[0].id == 7 and replies[0].code == "reply_too_large"

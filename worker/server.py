@@ -91,7 +91,18 @@ class Outbox:
             self._scheduled = False
         self._last_flush = self._loop.time()
         if batch and not self._writer.is_closing():
-            self._writer.write(b"".join(self._codec.encode(m) for m in batch))
+            self._writer.write(b"".join(self._frame(m) for m in batch))
+
+    def _frame(self, msg: msgspec.Struct) -> bytes:
+        """One message's frame; a reply that cannot be sent ends its request
+        with an error instead of vanishing (the parent would wait forever)."""
+        try:
+            return self._codec.encode(msg)
+        except (p.FrameTooLarge, OverflowError) as exc:
+            req_id = getattr(msg, "id", -1)
+            log.error("reply to request %s cannot be sent: %s", req_id, exc)
+            return self._codec.encode(p.Error(req_id if isinstance(req_id, int) else -1, "reply_too_large",
+                                              f"the reply cannot be sent to the parent: {exc}"))
 
 
 class WorkerServer:
