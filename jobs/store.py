@@ -166,7 +166,7 @@ class JobStore:
     # ------------------------------------------------------------ reads
 
     async def get(self, job_id: str) -> Job:
-        rows = await self.db.conn.execute_fetchall("SELECT * FROM jobs WHERE id = ?", (job_id,))
+        rows = await self.db.reader.execute_fetchall("SELECT * FROM jobs WHERE id = ?", (job_id,))
         if not rows:
             raise NotFound(f"no job with id {job_id!r}", param="id")
         return _job(next(iter(rows)))
@@ -199,14 +199,14 @@ class JobStore:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY n DESC LIMIT ?"
         args.append(limit + 1)
-        rows = list(await self.db.conn.execute_fetchall(sql, args))
+        rows = list(await self.db.reader.execute_fetchall(sql, args))
         more = len(rows) > limit
         rows = rows[:limit]
         next_cursor = str(rows[-1]["n"]) if more and rows else None
         return JobPage([_job(r) for r in rows], next_cursor)
 
     async def events_after(self, job_id: str, after_seq: int, limit: int = 1000) -> list[StoredEvent]:
-        rows = await self.db.conn.execute_fetchall(
+        rows = await self.db.reader.execute_fetchall(
             "SELECT seq, time, type, data FROM job_events WHERE job_id = ? AND seq > ? "
             "ORDER BY seq LIMIT ?",
             (job_id, after_seq, limit),

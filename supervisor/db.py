@@ -2,7 +2,10 @@
 
 Every durable record (jobs, job events, stored responses) lives in this file.
 One aiosqlite connection writes; each write is one short ``BEGIN IMMEDIATE``
-transaction taken through :meth:`Database.write`. Schema versions are tracked
+transaction taken through :meth:`Database.write`. Reads go through
+:attr:`Database.reader`, a second, read-only connection: under WAL it sees
+only committed rows, never the writer's transaction in progress (or one that
+is rolled back). Schema versions are tracked
 with ``PRAGMA user_version``: migration N moves the file from version N-1 to N,
 and migrations only ever append.
 """
@@ -27,6 +30,7 @@ class Database:
         self.path = path
         self._migrations = migrations
         self._conn: aiosqlite.Connection | None = None
+        self._reader: aiosqlite.Connection | None = None
         self._write_lock = asyncio.Lock()
 
     @property
@@ -34,6 +38,13 @@ class Database:
         if self._conn is None:
             raise RuntimeError("database is not open")
         return self._conn
+
+    @property
+    def reader(self) -> aiosqlite.Connection:
+        """The read-only connection: committed rows only."""
+        if self._reader is None:
+            raise RuntimeError("database is not open")
+        return self._reader
 
     async def open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -45,8 +56,17 @@ class Database:
         await conn.execute("PRAGMA foreign_keys=ON")
         self._conn = conn
         await self._migrate()
+        # Opened after the migrations, so it sees the current schema.
+        reader = await aiosqlite.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None)
+        reader.row_factory = aiosqlite.Row
+        await reader.execute("PRAGMA busy_timeout=5000")
+        await reader.execute("PRAGMA query_only=ON")
+        self._reader = reader
 
     async def close(self) -> None:
+        if self._reader is not None:
+            await self._reader.close()
+            self._reader = None
         if self._conn is not None:
             await self._conn.close()
             self._conn = None

@@ -192,7 +192,7 @@ async def snapshot(app: web.Application) -> Snapshot:
 
     pool = app.get(POOL)
     lease = app.get(LEASE)
-    conn = app[DB].conn
+    conn = app[DB].reader
     jobs = [(r[0], r[1], int(r[2])) for r in await conn.execute_fetchall(
         "SELECT status, kind, count(*) FROM jobs GROUP BY status, kind")]
     durations = [(r[0], r[1], float(r[2])) for r in await conn.execute_fetchall(

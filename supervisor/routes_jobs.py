@@ -33,6 +33,7 @@ from supervisor.httputil import (
     json_response,
     read_body,
 )
+from supervisor.engine_check import EngineBuild
 from supervisor.keys import ENGINE_CHECK
 from supervisor.lease import GpuLease
 from supervisor.runner import JobRunner
@@ -309,7 +310,9 @@ async def dataset_templates(request: web.Request) -> web.Response:
 
 async def gpu_state(request: web.Request) -> web.Response:
     state = dict(request.app[LEASE].snapshot())
-    build = request.app[ENGINE_CHECK].build
+    check = request.app.get(ENGINE_CHECK)
+    # An app assembled without the start-up check (a lab-only app) reports it unchecked.
+    build = check.build if check is not None else EngineBuild()
     # engine_gpu: false when the machine has GPUs the installed engine cannot use.
     state["engine"] = {**msgspec.structs.asdict(build),
                        "engine_gpu": bool(build.engine_gpus) or build.machine_gpus == 0}

@@ -99,7 +99,7 @@ class ResponseStore:
             return cur.rowcount == 1
 
     async def get(self, response_id: str) -> ResponseObject | None:
-        async with self._db.conn.execute("SELECT body FROM responses WHERE id = ?", (response_id,)) as cur:
+        async with self._db.reader.execute("SELECT body FROM responses WHERE id = ?", (response_id,)) as cur:
             row = await cur.fetchone()
         return None if row is None else _body_decoder.decode(row[0])
 
@@ -115,7 +115,7 @@ class ResponseStore:
         """
         items: list[Item] = []
         newest: ResponseObject | None = None
-        async with self._db.conn.execute(_CHAIN_SQL, (response_id, MAX_CHAIN)) as cur:
+        async with self._db.reader.execute(_CHAIN_SQL, (response_id, MAX_CHAIN)) as cur:
             async for row in cur:
                 if row["part"] == 0:
                     items.append(decode_item(row["data"]))
@@ -143,13 +143,13 @@ class ResponseStore:
             params.append(start)
         params.append(limit + 1)
         sql = f"SELECT item FROM response_input_items WHERE {where} ORDER BY position {direction} LIMIT ?"
-        async with self._db.conn.execute(sql, params) as cur:
+        async with self._db.reader.execute(sql, params) as cur:
             rows = list(await cur.fetchall())
         items = [decode_item(row[0]) for row in rows[:limit]]
         return items, len(rows) > limit
 
     async def _position(self, response_id: str, item_id: str) -> int:
-        async with self._db.conn.execute(
+        async with self._db.reader.execute(
             "SELECT MIN(position) FROM response_input_items WHERE response_id = ? AND item_id = ?",
             (response_id, item_id),
         ) as cur:
