@@ -15,12 +15,18 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from supervisor.errors import Unavailable
 from supervisor.responses.store import ResponseStore
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RETENTION_S = 30 * 24 * 3600.0
 DEFAULT_PRUNE_INTERVAL_S = 3600.0
+# Background responses generating at once; the others wait, stored as queued,
+# and never meet the worker queue's bound (which would fail them).
+DEFAULT_MAX_RUNNING = 4
+# Background responses accepted and not finished; beyond it, 503 up front.
+DEFAULT_MAX_ACCEPTED = 1000
 
 
 class BackgroundTasks:
@@ -31,8 +37,12 @@ class BackgroundTasks:
         retention_s: float = DEFAULT_RETENTION_S,
         prune_interval_s: float = DEFAULT_PRUNE_INTERVAL_S,
         clock: Callable[[], float] = time.time,
+        max_running: int = DEFAULT_MAX_RUNNING,
+        max_accepted: int = DEFAULT_MAX_ACCEPTED,
     ) -> None:
         self._store = store
+        self._running = asyncio.Semaphore(max_running)
+        self._max_accepted = max_accepted
         self._retention_s = retention_s
         self._prune_interval_s = prune_interval_s
         self._clock = clock
@@ -61,6 +71,16 @@ class BackgroundTasks:
         self._pruner = None
 
     # ------------------------------------------------------------ responses
+
+    def check_capacity(self) -> None:
+        """Refuse a new background response before anything is stored."""
+        if len(self._tasks) >= self._max_accepted:
+            raise Unavailable(f"{len(self._tasks)} background responses are already waiting or running",
+                              retry_after=5, code="queue_full")
+
+    def slot(self) -> asyncio.Semaphore:
+        """Held while a background response generates."""
+        return self._running
 
     def submit(self, response_id: str, work: Coroutine[Any, Any, None]) -> None:
         if self._stopping:

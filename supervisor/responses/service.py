@@ -132,6 +132,7 @@ class ResponsesService:
         history = await self._history(valid.body)
         # Reject a bad conversation (e.g. an output for an unknown call) now, as a 400.
         to_messages(history, valid.items, valid.body.instructions)
+        self.background.check_capacity()
         resp = new_response(valid.body, self._clock(), "queued")
         await self.store.save(resp, valid.items)
         queued = snapshot(resp)
@@ -141,15 +142,17 @@ class ResponsesService:
     async def _run_background(self, resp: ResponseObject, valid: ValidRequest, history: list[Item]) -> None:
         builder = EventBuilder(resp, self._clock)
         try:
-            resp.status = "in_progress"
-            await self.store.update(resp)
-            try:
-                generation = await self._plan(valid, history)
-            except ApiError as exc:
-                builder.failed(exc.code or "server_error", exc.message)
-            else:
-                async for _ in run(self.pool, resp.model, generation, builder, request_id=resp.id):
-                    pass
+            # Stays queued until a slot frees (a cancel meanwhile is recorded below).
+            async with self.background.slot():
+                resp.status = "in_progress"
+                await self.store.update(resp)
+                try:
+                    generation = await self._plan(valid, history)
+                except ApiError as exc:
+                    builder.failed(exc.code or "server_error", exc.message)
+                else:
+                    async for _ in run(self.pool, resp.model, generation, builder, request_id=resp.id):
+                        pass
         except asyncio.CancelledError:
             if self.background.cancel_requested(resp.id):
                 builder.cancelled()
