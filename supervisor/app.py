@@ -109,7 +109,7 @@ async def library_ctx(app: web.Application) -> AsyncIterator[None]:
                            settle_s=cfg.library_settle_s)
     app[LIBRARY] = library
     stop = asyncio.Event()
-    watcher = asyncio.create_task(library.watch(stop), name="library-watch")
+    watcher = asyncio.create_task(library.watch_supervised(stop), name="library-watch")
     # Serve only once the first scan has run (a just-written file settles first).
     await asyncio.wait({watcher, asyncio.ensure_future(library.watching.wait())},
                        return_when=asyncio.FIRST_COMPLETED)

@@ -36,6 +36,7 @@ import contextlib
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -173,6 +174,8 @@ class ModelLibrary:
         self._wall = wall_clock
         self._entries: dict[str, ModelEntry] = {}
         self._looks: dict[str, _Look] = {}
+        # Set by a scan that met a symlinked directory (see watch).
+        self.linked_dirs = False
         self._headers: dict[str, tuple[int, int, GgufInfo | GgufError]] = {}
         self._pending: set[str] = set()
         self._lock = threading.Lock()
@@ -272,6 +275,10 @@ class ModelLibrary:
         found: dict[str, os.stat_result] = {}
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            # Never descended into (os.walk does not follow them), but a
+            # notify watcher would follow them, e.g. into all of "/".
+            if any(os.path.islink(os.path.join(dirpath, d)) for d in dirnames):
+                self.linked_dirs = True
             for name in filenames:
                 if not name.lower().endswith(".gguf") or is_temporary_name(name):
                     continue
@@ -280,8 +287,13 @@ class ModelLibrary:
                     st = full.stat()
                 except FileNotFoundError:
                     continue  # removed while we looked
-                except PermissionError as exc:
+                except OSError as exc:  # unreadable, a symlink loop, ...
                     log.warning("skipping unreadable model file %s: %s", full, exc)
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    # A FIFO would block the open() forever; a directory or a
+                    # device named .gguf is no model either.
+                    log.warning("skipping %s: not a regular file", full)
                     continue
                 rel = full.relative_to(root).as_posix()
                 found[rel] = st
@@ -408,6 +420,9 @@ class ModelLibrary:
             result: GgufInfo | GgufError = read_gguf_info(path)
         except GgufError as exc:
             result = exc
+        except (OSError, ValueError, OverflowError, MemoryError) as exc:
+            # A crafted header must cost this one file, never the watcher.
+            result = GgufError(path, f"unreadable header ({type(exc).__name__}: {exc})")
         self._headers[key] = (st.st_size, st.st_mtime_ns, result)
         return result
 
@@ -425,6 +440,18 @@ class ModelLibrary:
         # Download progress in the hub cache must not cause rescans.
         return not (name.endswith((".incomplete", ".lock")) or f"{os.sep}.locks{os.sep}" in path)
 
+    async def watch_supervised(self, stop: asyncio.Event, restart_s: float = 1.0) -> None:
+        """:meth:`watch`, restarted after any failure (with its traceback
+        logged) until ``stop``: a models dir the library cannot follow must
+        not leave the service serving a stale list forever."""
+        while not stop.is_set():
+            try:
+                await self.watch(stop)
+            except Exception:  # supervision: any failure restarts the watcher, logged in full
+                log.exception("the model library watcher failed; restarting it in %.0f s", restart_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), restart_s)
+
     async def watch(self, stop: asyncio.Event) -> None:
         """Rescan now, then on every change until ``stop`` is set.
 
@@ -434,6 +461,11 @@ class ModelLibrary:
         self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self.rescan)
         tick_ms = max(int(self.settle_s * 1000), 100)
+        if self.linked_dirs:
+            log.warning("a models dir holds symlinked directories (not scanned); "
+                        "polling for changes instead of watching")
+            await self._poll(stop, tick_ms / 1000)
+            return
         while not stop.is_set():
             roots = self._roots()
             if not roots:
@@ -462,3 +494,11 @@ class ModelLibrary:
                 if roots_changed:
                     break  # watch the new set of roots
         self.watching.clear()
+
+    async def _poll(self, stop: asyncio.Event, tick_s: float) -> None:
+        """Rescan every tick: for roots holding symlinked directories."""
+        self.watching.set()
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), tick_s)
+            await asyncio.to_thread(self.rescan)
