@@ -63,6 +63,11 @@ class PoolConfig(Protocol):
     def model_settings(self, model_id: str) -> ModelSettings: ...
 
 
+# How a client or its admin gets a longer context (the 400 says it).
+CONTEXT_HINT = ("For a longer context, load the model with a larger n_ctx: the n_ctx setting "
+                "(or [model_defaults.\"<model>\"] n_ctx in the config), or POST /api/models/<model>/load "
+                "with {\"n_ctx\": N}")
+
 # Inputs per Embed message to a worker.
 EMBED_BATCH = 32
 
@@ -133,7 +138,10 @@ class WorkerPool:
         want_ctx = options.n_ctx if options.n_ctx is not None else s.n_ctx
         want = (Path(entry.path), want_ctx, settings.n_gpu_layers, settings.cache_type, settings.draft_ngram,
                 self._parallel(settings))
-        return want == (s.path, s.n_ctx, s.n_gpu_layers, s.cache_type, s.draft_ngram, s.parallel)
+        # Partial offload runs fewer GPU layers than were asked for: compare what was asked.
+        fit = self.fits.get((s.model_id, s.embedding))
+        asked = fit.n_gpu_layers_asked if fit is not None else s.n_gpu_layers
+        return want == (s.path, s.n_ctx, asked, s.cache_type, s.draft_ngram, s.parallel)
 
     def _parallel(self, settings: ModelSettings) -> int:
         if settings.parallel:
@@ -149,10 +157,12 @@ class WorkerPool:
         own = self.cfg.model_defaults.get(model_id)
         explicit_ctx = explicit_ctx or (own is not None and own.n_ctx is not None)
         parallel = self._parallel(settings)
-        decision = await self._fit(entry, settings, explicit_ctx, parallel)
+        decision = await self._fit(entry, settings, explicit_ctx, parallel, embedding)
         n_ctx = decision.n_ctx if decision is not None else (settings.n_ctx or self.cfg.n_ctx)
-        spec = WorkerSpec(model_id, Path(entry.path), embedding, n_ctx,
-                          settings.n_gpu_layers if settings.n_gpu_layers is not None else -1,
+        gpu_layers = settings.n_gpu_layers if settings.n_gpu_layers is not None else -1
+        if decision is not None:
+            gpu_layers = decision.n_gpu_layers  # fewer than asked with partial offload
+        spec = WorkerSpec(model_id, Path(entry.path), embedding, n_ctx, gpu_layers,
                           self.cfg.n_threads, self.device, settings.cache_type or "f16",
                           settings.draft_ngram or 0, parallel)
         handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit)
@@ -164,15 +174,22 @@ class WorkerPool:
         return handle
 
     async def _fit(self, entry: ModelEntry, settings: ModelSettings,
-                   explicit_ctx: bool, parallel: int) -> ContextDecision | None:
+                   explicit_ctx: bool, parallel: int, embedding: bool) -> ContextDecision | None:
         deadline = asyncio.get_running_loop().time() + self.cfg.load_wait_timeout
         while True:
             committed = [f.needed_bytes for f in self.fits.values() if f is not None]
             free, kind = await measure_free(self.cfg.memory_budget_mib << 20, committed)
             try:
-                return plan_load(entry, settings, explicit_ctx=explicit_ctx, target_ctx=self.cfg.n_ctx,
-                                 min_ctx=self.cfg.min_ctx, free_bytes=free, memory_kind=kind,
-                                 slots=parallel)
+                # In a thread: it reads the headers of a shard set's further files.
+                decision = await asyncio.to_thread(
+                    plan_load, entry, settings, explicit_ctx=explicit_ctx, target_ctx=self.cfg.n_ctx,
+                    min_ctx=self.cfg.min_ctx, free_bytes=free, memory_kind=kind, slots=parallel,
+                    embedding=embedding)
+                # Idle models give way before layers go to the CPU; busy ones are not waited for.
+                if decision is not None and decision.partial_offload and await self._evict_lru(
+                        f"evicted to make room for all layers of {entry.id}"):
+                    continue
+                return decision
             except DoesNotFit:
                 if await self._evict_lru(f"evicted to make room for {entry.id}"):
                     continue
@@ -495,6 +512,8 @@ def _as_api_error(ev: p.Error | WorkerGone | p.FromWorker, msg: p.Generate | p.E
             return ModelFailed(ev.message)
         return Unavailable(ev.message, retry_after=5, code=ev.code)
     if isinstance(ev, p.Error):
+        if ev.code == "context_length_exceeded":
+            return BadRequest(f"{ev.message}. {CONTEXT_HINT}", code=ev.code, param=_blamed_param(ev.code, msg))
         if ev.code in _CLIENT_ERRORS:
             return BadRequest(ev.message, code=ev.code, param=_blamed_param(ev.code, msg))
         if ev.code == "busy":

@@ -194,6 +194,8 @@ def test_prompt_longer_than_the_context_is_a_clear_400(fuzz_server: Server) -> N
     assert r.status_code == 400, r.text
     assert assert_openai_error(r)["code"] == "context_length_exceeded"
     assert r.json()["error"]["param"] == "messages"
+    # It says how to get a longer context.
+    assert "n_ctx" in r.json()["error"]["message"] and "/load" in r.json()["error"]["message"]
     r = httpx.post(fuzz_server.base_url + "/v1/completions", timeout=REQUEST_TIMEOUT,
                    json={"model": fuzz_server.model, "prompt": long_text})
     assert r.status_code == 400, r.text
