@@ -29,7 +29,17 @@ import xllamacpp
 from worker.chat_template import ChatRenderer, TemplateError
 from worker.gguf_meta import GGUFMetaError, read_metadata
 from worker.grammar_guard import check_grammar, schema_to_grammar
-from worker.protocol import Delta, Done, Error, Generate, ModelFacts, SamplingParams, Started
+from worker.protocol import (
+    Delta,
+    Done,
+    Error,
+    Generate,
+    ModelFacts,
+    SamplingParams,
+    Started,
+    TokenLogprob,
+    TopLogprob,
+)
 from worker.schema_gbnf import json_object_gbnf
 from worker.unix_http import UnixJSONClient
 
@@ -117,8 +127,13 @@ def _params(opts: EngineOptions) -> xllamacpp.CommonParams:
     if opts.cache_type != "f16":
         p.cache_type_k = CACHE_TYPES[opts.cache_type]
         p.cache_type_v = CACHE_TYPES[opts.cache_type]
-        # llama.cpp needs flash attention for a quantized V cache.
-        p.flash_attn_type = xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    # Flash attention always (a quantized V cache needs it anyway). "Auto"
+    # turns it off for the whole model when a layer's attention lands on
+    # another device than the layer (partial offload, or a head size without
+    # a GPU kernel); the compute buffer then grows by a layer's attention
+    # scores, which memfit does not plan for. Forced on, such an op just runs
+    # on the device that has the kernel.
+    p.flash_attn_type = xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_ENABLED
     if opts.draft_ngram > 0:
         p.speculative.types = [xllamacpp.common_speculative_type.COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE]
         p.speculative.ngram_simple.size_m = opts.draft_ngram
@@ -139,7 +154,18 @@ def _sampling(params: SamplingParams, grammar: str | None, stops: list[str]) -> 
         body["max_tokens"] = params.max_tokens
     if grammar is not None:
         body["grammar"] = grammar
+    if params.logprobs is not None:
+        # Probabilities of the raw logits, not after top-k/top-p cut them.
+        body.update(n_probs=max(1, params.logprobs), post_sampling_probs=False)
     return body
+
+
+def _logprobs(choice: dict[str, Any], top: int) -> list[TokenLogprob]:
+    content = (choice.get("logprobs") or {}).get("content") or []
+    return [TokenLogprob(str(t.get("token", "")), float(t.get("logprob", 0.0)), t.get("bytes"),
+                         [TopLogprob(str(a.get("token", "")), float(a.get("logprob", 0.0)), a.get("bytes"))
+                          for a in (t.get("top_logprobs") or [])[:top]])
+            for t in content]
 
 
 def output_grammar(params: SamplingParams) -> str | None:
@@ -190,12 +216,14 @@ class _Stream:
         if "cache_n" in timings:
             self.cached = int(timings["cache_n"])
             self.prompt_tokens = self.cached + int(timings.get("prompt_n", 0))
+        top = self.req.params.logprobs
         for choice in chunk.get("choices", []):
             text = choice.get("text") or ""
             if text or n > self.generated:
                 if self.first_at is None:
                     self.first_at = time.perf_counter()
-                self.emit(Delta(self.req.id, text, max(0, n - self.generated)))
+                probs = None if top is None else _logprobs(choice, top)
+                self.emit(Delta(self.req.id, text, max(0, n - self.generated), probs))
                 self.generated = max(self.generated, n)
             if choice.get("finish_reason"):
                 self.finish = str(choice["finish_reason"])

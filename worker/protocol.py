@@ -73,6 +73,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     json_schema: str | None = None
     json_object: bool = False
     ignore_eos: bool = False
+    # Token log-probabilities: None = off, N = with the N most likely
+    # alternatives at each position (0 = the chosen token's only).
+    logprobs: int | None = None
 
 
 # ------------------------------------------------------------ parent -> worker
@@ -152,10 +155,27 @@ class Started(msgspec.Struct, tag=True):
     prompt_tokens: int
 
 
+class TopLogprob(msgspec.Struct, omit_defaults=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(msgspec.Struct, omit_defaults=True):
+    """One generated token's log-probability (softmax of the raw logits)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
 class Delta(msgspec.Struct, tag=True):
     id: int
     text: str
     n_tokens: int
+    # Set when the request asked for logprobs: one per token of this delta.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Done(msgspec.Struct, tag=True):

@@ -64,7 +64,9 @@ class Outbox:
         with self._lock:
             last = self._pending[-1] if self._pending else None
             if isinstance(msg, p.Delta) and isinstance(last, p.Delta) and last.id == msg.id:
-                self._pending[-1] = p.Delta(msg.id, last.text + msg.text, last.n_tokens + msg.n_tokens)
+                probs = None if last.logprobs is None and msg.logprobs is None else [
+                    *(last.logprobs or []), *(msg.logprobs or [])]
+                self._pending[-1] = p.Delta(msg.id, last.text + msg.text, last.n_tokens + msg.n_tokens, probs)
             else:
                 self._pending.append(msg)
             if self._scheduled:
