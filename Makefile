@@ -42,7 +42,7 @@ test: $(TRAIN_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) bench/stream_overhead.py
+	$(PY) bench/engine.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -11,7 +11,8 @@ The worker prefill comes from the server's own histogram
 the mean queue wait (client TTFT - worker prefill) is exact over the same
 finished generations; its quantiles are estimated from the histogram buckets.
 
-Run: python -m bench.load [--clients 200] [--duration 30] [--rounds 3]
+Run: python -m bench.load [--clients 200] [--duration 30] [--rounds 3] [--parallel N]
+     python -m bench.load --compare-parallel 1,2   (one server per value, rounds alternated)
      python -m bench.load --smoke        (about 10 s, used by the test suite)
 """
 
@@ -335,7 +336,7 @@ async def settled_fds(parent: psutil.Process, baseline: int, timeout: float = 10
     deadline = asyncio.get_running_loop().time() + timeout
     while (fds := parent.num_fds()) > baseline and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.1)
-    return fds
+    return int(fds)
 
 
 async def run_load(base: str, model: str, parent: psutil.Process, clients: int, duration: float,
@@ -360,13 +361,70 @@ def print_round(r: RoundResult) -> None:
     print(f"    parent RSS {r.rss_mib} MiB, open fds {r.open_fds}")
 
 
-def start_server(queue_limit: int) -> Server:
+def start_server(queue_limit: int, parallel: int | None = None) -> Server:
+    """A server on the tiny model; ``parallel`` None = the server's default slots."""
     model = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="gvload")) / "tiny.gguf")
     models = short_tempdir("gvloadm")
     (models / "tiny.gguf").symlink_to(model)
     env = {"GPUVISOR_N_CTX": "2048", "GPUVISOR_QUEUE_LIMIT": str(queue_limit),
            "GPUVISOR_MAX_CONCURRENT_JOBS": "2", "GPUVISOR_ACCESS_LOG": "false"}
+    if parallel is not None:
+        env["GPUVISOR_PARALLEL"] = str(parallel)
     return Server(models, env=env).start()
+
+
+# ---------------------------------------------------------------- parallel slots compared
+
+
+async def run_compare(servers: dict[int, Server], clients: int, duration: float,
+                      rounds: int) -> dict[int, LoadReport]:
+    """One round per server in turn, the order flipped every round, so drift
+    on a shared machine hits every setting alike."""
+    parents = {p: psutil.Process(srv.proc.pid) for p, srv in servers.items()}  # type: ignore[union-attr]
+    reports = {p: LoadReport(clients, duration, round(proc.memory_info().rss / 2**20, 1), proc.num_fds())
+               for p, proc in parents.items()}
+    order = list(servers)
+    for n in range(1, rounds + 1):
+        for p in order if n % 2 else order[::-1]:
+            srv = servers[p]
+            result = await one_round(n, srv.base_url, srv.model, clients, duration, parents[p])
+            result.open_fds = await settled_fds(parents[p], reports[p].fds_before)
+            reports[p].rounds.append(result)
+            print(f"  [parallel {p}]", end="")
+            print_round(result)
+    return reports
+
+
+def _median_of(rounds: list[RoundResult], key: str) -> float | None:
+    values = [getattr(r, key) for r in rounds if getattr(r, key) is not None]
+    return round(statistics.median(values), 4) if values else None
+
+
+def print_compare(reports: dict[int, LoadReport]) -> None:
+    print("  parallel slots side by side (median over rounds):")
+    print(f"    {'parallel':>8} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'queue wait mean ms':>19} "
+          f"{'shed':>7} {'ok req/s':>9} {'tok/s':>8}")
+    for p, rep in reports.items():
+        shed = _median_of(rep.rounds, "shed_rate")
+        print(f"    {p:>8} {_median_of(rep.rounds, 'ttft_p50_ms')!s:>12} {_median_of(rep.rounds, 'ttft_p99_ms')!s:>12} "
+              f"{_median_of(rep.rounds, 'queue_wait_mean_ms')!s:>19} {(shed or 0.0):>7.1%} "
+              f"{_median_of(rep.rounds, 'throughput_rps')!s:>9} {_median_of(rep.rounds, 'tokens_per_s')!s:>8}")
+
+
+def compare_parallel(args: argparse.Namespace) -> dict[str, Any]:
+    values = [int(v) for v in args.compare_parallel.split(",")]
+    servers: dict[int, Server] = {}
+    try:
+        for p in values:
+            servers[p] = start_server(args.queue_limit, p)
+        print(f"load: {args.clients} clients, {args.rounds} rounds of {args.duration:.0f} s per setting, "
+              f"parallel {values} alternated, queue limit {args.queue_limit}, mix {MIX}")
+        reports = asyncio.run(run_compare(servers, args.clients, args.duration, args.rounds))
+    finally:
+        for srv in servers.values():
+            srv.cleanup()
+    print_compare(reports)
+    return {"by_parallel": {str(p): rep.to_dict() for p, rep in reports.items()}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -375,12 +433,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--duration", type=float, default=30.0, help="seconds per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--queue-limit", type=int, default=64)
+    ap.add_argument("--parallel", type=int, help="engine slots per worker (default: the server's)")
+    ap.add_argument("--compare-parallel", metavar="N,M", help="one server per slot count, rounds alternated")
     ap.add_argument("--smoke", action="store_true", help="about 10 s: 2 rounds of 4 s")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
     if args.smoke:
         args.duration, args.rounds = 4.0, 2
-    srv = start_server(args.queue_limit)
+    if args.compare_parallel:
+        result = compare_parallel(args)
+        if args.json is not None:
+            args.json.write_text(json.dumps(result, indent=1))
+        return result
+    srv = start_server(args.queue_limit, args.parallel)
     try:
         assert srv.proc is not None
         parent = psutil.Process(srv.proc.pid)

@@ -52,7 +52,8 @@ CACHE_TYPES = {
 }
 # Prompt tokens evaluated per engine step. The engine reports prefill progress
 # once per step, and that report is the only point where a cancel is seen
-# during a long prefill, so this bounds how long a cancelled prefill runs on.
+# during a long prefill; by then it has begun the next step, so a cancelled
+# prefill runs on for up to two of them (measured: bench/engine.py).
 PREFILL_BATCH = 512
 
 
