@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import faulthandler
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -48,4 +49,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Skip the interpreter's teardown: the engine's destructor can wait
+    # forever for a server loop that never started serving (seen with
+    # xllamacpp 2026.10), and the OS frees its memory anyway.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
