@@ -26,7 +26,7 @@ from supervisor.keys import CONFIG, POOL
 from supervisor.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
 from supervisor.pool import Generation, WorkerPool
 from supervisor.responses.items import new_id
-from supervisor.responses.parse import OutputParser, Piece, Reasoning, Text, ToolCall
+from supervisor.responses.parse import Piece, Reasoning, StreamParser, Text, ToolCall
 from supervisor.responses.profile import profile_for
 from supervisor.responses.runner import Plan, tool_plan
 from worker.protocol import Delta, Done, SamplingParams
@@ -94,7 +94,7 @@ def chat_delta(piece: Piece, call_index: int) -> dict[str, Any]:
 class Reply:
     """Model text -> pieces: parsed when the plan calls for it, else passed through."""
 
-    def __init__(self, parser: OutputParser | None = None, forced_call: bool = False) -> None:
+    def __init__(self, parser: StreamParser | None = None, forced_call: bool = False) -> None:
         self._parser = parser
         self.forced_call = forced_call
         self.reasoning_tokens = 0

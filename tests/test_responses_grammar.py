@@ -53,6 +53,22 @@ def test_rules_per_style() -> None:
     assert mistral.startswith('root ::= "[TOOL_CALLS][" call ( ", " call ){0,7} "]"')
 
 
+def test_rules_of_the_newer_styles() -> None:
+    args = tool_call_grammar(TOOLS, style="mistral_args", parallel=True)
+    assert args.startswith('root ::= "[TOOL_CALLS]" call ( "[TOOL_CALLS]" call ){0,7}')
+    assert '"get_weather[ARGS]" args-get-weather' in args
+    deepseek = tool_call_grammar(TOOLS, style="deepseek", parallel=False)
+    assert deepseek.startswith('root ::= "<｜tool▁calls▁begin｜>" call "<｜tool▁calls▁end｜>"')
+    assert '"<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\\n```json\\n"' in deepseek
+    # One gpt-oss call per turn: its <|call|> token ends the generation.
+    harmony = tool_call_grammar(TOOLS, style="harmony", parallel=True)
+    assert harmony.startswith("root ::= call\n")
+    assert '"<|channel|>commentary to=functions.ping <|constrain|>json<|message|>" empty-object' in harmony
+    # A template that opened a think block has it closed before the call.
+    closed = tool_call_grammar(TOOLS, style="hermes", parallel=False, prefix="</think>\n\n")
+    assert closed.startswith('root ::= "</think>\\n\\n" hermes-call\n')
+
+
 def test_object_without_required_keys_allows_any_ordered_subset() -> None:
     g = SchemaGrammar()
     name = g.schema_rule({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "null"}}}, "o")
@@ -117,7 +133,7 @@ def check_call(call: ToolCall) -> None:
         assert args["unit"] in ("c", "f") and set(args["tags"]) <= {"x"} and args["mode"] in (None, "fast")
 
 
-@pytest.mark.parametrize("style", ["hermes", "mistral", "llama3"])
+@pytest.mark.parametrize("style", ["hermes", "mistral", "mistral_args", "llama3", "deepseek"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_forced_output_parses_as_calls(llm: Any, style: ToolStyle, seed: int) -> None:
     text = generate(llm, tool_call_grammar(TOOLS, style=style, parallel=False), seed)

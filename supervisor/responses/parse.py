@@ -12,14 +12,29 @@ Tool-call formats understood (only when the request offers tools):
   ``[TOOL_CALLS]name[ARGS]{...}``
 - Llama 3: ``{"name": ..., "parameters": {...}}`` as the whole output,
   optionally after ``<|python_tag|>``
+- DeepSeek: ``<｜tool▁calls▁begin｜>`` then ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name``
+  and the arguments in a fenced json block (R1), or ``name<｜tool▁sep｜>{...}`` (V3.1),
+  each closed by ``<｜tool▁call▁end｜>``
 A call that does not parse, or names an unknown tool, is kept as text.
+
+gpt-oss writes "harmony" messages instead, each a header, ``<|message|>``, a
+body and an end token; :class:`HarmonyParser` reads those.
 """
 
 from __future__ import annotations
 
 import enum
 import json
-from typing import Any, NamedTuple
+import re
+from typing import Any, NamedTuple, Protocol
+
+from supervisor.responses.grammar import (
+    DEEPSEEK_CALL_BEGIN,
+    DEEPSEEK_CALL_END,
+    DEEPSEEK_CALLS_BEGIN,
+    DEEPSEEK_CALLS_END,
+    DEEPSEEK_SEP,
+)
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -27,7 +42,10 @@ HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
 MISTRAL_ARGS = "[ARGS]"
+MISTRAL_CALL_ID = "[CALL_ID]"
 PYTHON_TAG = "<|python_tag|>"
+# DeepSeek's arguments, fenced as in its template; the fence is optional (V3.1).
+_DEEPSEEK_FENCE = re.compile(r"^\s*```(?:json)?\s*\n?(.*?)\n?\s*```\s*$", re.DOTALL)
 
 
 class Reasoning(NamedTuple):
@@ -46,11 +64,22 @@ class ToolCall(NamedTuple):
 Piece = Reasoning | Text | ToolCall
 
 
+class StreamParser(Protocol):
+    """What the routes need of a parser: pieces per delta, then the rest."""
+
+    @property
+    def in_reasoning(self) -> bool: ...
+
+    def feed(self, text: str) -> list[Piece]: ...
+
+    def finish(self) -> list[Piece]: ...
+
+
 class _State(enum.Enum):
     REASONING = "reasoning"
     TEXT = "text"
     HERMES = "hermes"  # inside <tool_call>, until </tool_call>
-    TRAILING_CALLS = "trailing_calls"  # Mistral / Llama 3: calls run to the end
+    TRAILING_CALLS = "trailing_calls"  # Mistral / Llama 3 / DeepSeek: calls run to the end
 
 
 def _held_suffix(buf: str, markers: tuple[str, ...]) -> int:
@@ -125,6 +154,8 @@ def parse_mistral_calls(text: str, names: frozenset[str]) -> list[ToolCall] | No
             continue
         if MISTRAL_ARGS in segment and not segment.startswith(("[", "{")):
             name, _, args = segment.partition(MISTRAL_ARGS)
+            # Histories render ``name[CALL_ID]id[ARGS]``; a model may copy that.
+            name = name.partition(MISTRAL_CALL_ID)[0]
             call = _call_from({"name": name.strip(), "arguments": args.strip()}, names)
             found = [call] if call is not None else None
         else:
@@ -132,6 +163,37 @@ def parse_mistral_calls(text: str, names: frozenset[str]) -> list[ToolCall] | No
         if found is None:
             return None
         calls.extend(found)
+    return calls or None
+
+
+def _deepseek_call(segment: str, names: frozenset[str]) -> ToolCall | None:
+    """``function<｜tool▁sep｜>name`` + fenced arguments, or ``name<｜tool▁sep｜>{...}``."""
+    head, sep, rest = segment.partition(DEEPSEEK_SEP)
+    if not sep:
+        return None
+    if head.strip() == "function":
+        name, _, args = rest.partition("\n")
+    else:
+        name, args = head, rest
+    fenced = _DEEPSEEK_FENCE.match(args)
+    return _call_from({"name": name.strip(), "arguments": (fenced.group(1) if fenced else args).strip()}, names)
+
+
+def parse_deepseek_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
+    """Calls in ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>``; None if any part is not one."""
+    body = text.strip().removeprefix(DEEPSEEK_CALLS_BEGIN)
+    # Whatever follows the closing marker (an end-of-sentence token) is not part of any call.
+    body = body.partition(DEEPSEEK_CALLS_END)[0]
+    calls: list[ToolCall] = []
+    for segment in body.split(DEEPSEEK_CALL_BEGIN):
+        segment = segment.strip()
+        if not segment:
+            continue
+        # The last call of a reply cut by the token limit has no end marker: kept only if whole.
+        call = _deepseek_call(segment.removesuffix(DEEPSEEK_CALL_END), names)
+        if call is None:
+            return None
+        calls.append(call)
     return calls or None
 
 
@@ -230,7 +292,7 @@ class OutputParser:
     def _markers(self) -> tuple[str, ...]:
         markers: tuple[str, ...] = (THINK_OPEN,) if self._thinking else ()
         if self._names:
-            markers += (HERMES_OPEN, MISTRAL_CALLS, PYTHON_TAG)
+            markers += (HERMES_OPEN, MISTRAL_CALLS, PYTHON_TAG, DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALL_BEGIN)
         return markers
 
     def _step_text(self, out: list[Piece]) -> bool:
@@ -306,8 +368,144 @@ class OutputParser:
         prefix = self._trailing_prefix
         if prefix == MISTRAL_CALLS:
             calls = parse_mistral_calls(buf, self._names)
+        elif prefix in (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALL_BEGIN):
+            calls = parse_deepseek_calls(prefix + buf, self._names)
         else:
             calls = parse_json_calls(buf, self._names)
         if calls:
             return list(calls)
         return [Text(prefix + buf)] if (prefix + buf).strip() else []
+
+
+# ------------------------------------------------------------------ harmony
+
+HARMONY_START = "<|start|>"
+HARMONY_CHANNEL = "<|channel|>"
+HARMONY_MESSAGE = "<|message|>"
+# Tokens that end a message: a turn (<|end|>), the reply (<|return|>), a call (<|call|>).
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+# Where a message body stops without being ended: the next message's header.
+_HARMONY_BOUNDS = (HARMONY_START, HARMONY_CHANNEL)
+# A header longer than this is not one: the text is an answer without channels.
+_MAX_HEADER = 256
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
+_CHANNEL = re.compile(re.escape(HARMONY_CHANNEL) + r"([^\s<]*)")
+
+
+class _Harmony(enum.Enum):
+    HEADER = "header"  # before <|message|>: channel and recipient
+    REASONING = "reasoning"  # the analysis channel
+    TEXT = "text"  # final (or commentary without a recipient: a preamble)
+    CALL = "call"  # a message to a function: its JSON arguments
+
+
+def _could_be_header(buf: str) -> bool:
+    """Whether ``buf`` starts (or may yet start) a message header.
+
+    A header is ``<|start|>assistant``, then ``<|channel|>name``, and maybe
+    ``to=functions.name`` before or after the channel (the prompt already
+    wrote the first ``<|start|>assistant``)."""
+    text = buf.lstrip()
+    opens = (HARMONY_START, HARMONY_CHANNEL, "to=")
+    return len(buf) <= _MAX_HEADER and any(text.startswith(o) or o.startswith(text) for o in opens)
+
+
+class HarmonyParser:
+    """gpt-oss output: analysis messages are reasoning, final (and preamble)
+    messages text, and a message addressed ``to=functions.NAME`` a call whose
+    body is its JSON arguments. Text that does not follow the format at all is
+    an answer. Only certain pieces are emitted, as in :class:`OutputParser`."""
+
+    def __init__(self, *, tool_names: frozenset[str] = frozenset()) -> None:
+        self._names = tool_names
+        self._state = _Harmony.HEADER
+        self._buf = ""
+        self._header = ""
+        self._recipient: str | None = None
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._state is _Harmony.REASONING
+
+    def feed(self, text: str) -> list[Piece]:
+        self._buf += text
+        out: list[Piece] = []
+        while self._buf and self._step(out):
+            pass
+        return out
+
+    def finish(self) -> list[Piece]:
+        out = self.feed("")
+        buf, self._buf = self._buf, ""
+        match self._state:
+            case _Harmony.HEADER:
+                # A header cut short is markup; anything else was an answer.
+                if buf.strip() and not buf.lstrip().startswith("<|"):
+                    out.append(Text(buf))
+            case _Harmony.REASONING:
+                if buf:
+                    out.append(Reasoning(buf))
+            case _Harmony.TEXT:
+                if buf:
+                    out.append(Text(buf))
+            case _Harmony.CALL:
+                out.append(self._call(buf))
+        return out
+
+    def _step(self, out: list[Piece]) -> bool:
+        if self._state is _Harmony.HEADER:
+            return self._step_header()
+        return self._step_body(out)
+
+    def _step_header(self) -> bool:
+        pos = self._buf.find(HARMONY_MESSAGE)
+        header = self._buf if pos < 0 else self._buf[:pos]
+        if not _could_be_header(header):
+            self._state = _Harmony.TEXT
+            return True
+        if pos < 0:
+            return False
+        self._header = header
+        self._buf = self._buf[pos + len(HARMONY_MESSAGE) :]
+        recipient = _RECIPIENT.search(header)
+        channel = _CHANNEL.search(header)
+        self._recipient = recipient.group(1) if recipient else None
+        if self._recipient is not None:
+            self._state = _Harmony.CALL
+        elif channel is not None and channel.group(1) == "analysis":
+            self._state = _Harmony.REASONING
+        else:
+            self._state = _Harmony.TEXT
+        return True
+
+    def _step_body(self, out: list[Piece]) -> bool:
+        hits = [(self._buf.find(m), m) for m in (*HARMONY_ENDS, *_HARMONY_BOUNDS)]
+        found = [(pos, m) for pos, m in hits if pos >= 0]
+        if not found:
+            if self._state is not _Harmony.CALL:
+                keep = _held_suffix(self._buf, (*HARMONY_ENDS, *_HARMONY_BOUNDS))
+                self._emit(out, self._buf[: len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep :]
+            return False
+        pos, marker = min(found)
+        body = self._buf[:pos]
+        # An end token is consumed; the start of a next header is left to read.
+        self._buf = self._buf[pos + len(marker) :] if marker in HARMONY_ENDS else self._buf[pos:]
+        if self._state is _Harmony.CALL:
+            out.append(self._call(body))
+        else:
+            self._emit(out, body)
+        self._state = _Harmony.HEADER
+        return True
+
+    def _emit(self, out: list[Piece], text: str) -> None:
+        if text:
+            out.append(Reasoning(text) if self._state is _Harmony.REASONING else Text(text))
+
+    def _call(self, body: str) -> Piece:
+        name = (self._recipient or "").removeprefix("functions.")
+        call = None
+        if self._recipient is not None and self._recipient.startswith("functions."):
+            call = _call_from({"name": name, "arguments": body.strip()}, self._names)
+        # Not a call we can make (unknown function, broken arguments): kept as text.
+        return call if call is not None else Text(self._header + HARMONY_MESSAGE + body)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from supervisor.responses.grammar import ToolStyle
+from supervisor.responses.grammar import DEEPSEEK_CALLS_BEGIN, ToolStyle
 
 
 def _opens_think(template: str) -> bool:
@@ -34,6 +34,11 @@ class TemplateProfile:
     toggle_var: str | None = None
     tool_style: ToolStyle = "hermes"
 
+    @property
+    def harmony(self) -> bool:
+        """The output is harmony messages (gpt-oss), not tagged text."""
+        return self.tool_style == "harmony"
+
     def template_vars(self, effort: str | None) -> dict[str, object]:
         """Variables passing ``reasoning.effort`` to the template (none if unset)."""
         if effort is None:
@@ -46,9 +51,19 @@ class TemplateProfile:
         return out
 
 
+def _harmony(template: str) -> bool:
+    """gpt-oss: messages on channels, ``<|channel|>analysis<|message|>...``."""
+    return "<|channel|>" in template and "<|message|>" in template
+
+
 def _tool_style(template: str) -> ToolStyle:
+    if _harmony(template):
+        return "harmony"
+    if DEEPSEEK_CALLS_BEGIN in template:
+        return "deepseek"
     if "[TOOL_CALLS]" in template:
-        return "mistral"
+        # Mistral's newer tokenizers write ``[TOOL_CALLS]name[ARGS]{...}``.
+        return "mistral_args" if "[ARGS]" in template else "mistral"
     if "<tool_call>" in template:
         return "hermes"
     if "<|python_tag|>" in template or ("<|start_header_id|>" in template and "parameters" in template):
@@ -61,7 +76,8 @@ def profile_for(template: str | None) -> TemplateProfile:
         return TemplateProfile()
     toggle = "enable_thinking" if "enable_thinking" in template else None
     effort = "reasoning_effort" if "reasoning_effort" in template else None
-    thinks = "<think>" in template or "</think>" in template or toggle is not None
+    # A harmony model reasons on its analysis channel.
+    thinks = "<think>" in template or "</think>" in template or toggle is not None or _harmony(template)
     return TemplateProfile(
         thinks=thinks,
         starts_in_reasoning=_opens_think(template),

@@ -28,7 +28,7 @@ from supervisor.responses.models import (
     ToolChoice,
 )
 from supervisor.responses.objects import Usage
-from supervisor.responses.parse import OutputParser
+from supervisor.responses.parse import HarmonyParser, OutputParser, StreamParser
 from supervisor.responses.profile import TemplateProfile, profile_for
 from worker.protocol import ChatMessage, Delta, Done, ModelFacts, SamplingParams
 
@@ -83,13 +83,18 @@ class Plan:
         # A grammar comes from the output format, else from a forced tool call.
         return "text.format" if self.json_output else "tool_choice"
 
-    def parser(self) -> OutputParser:
-        # A grammar (JSON or a forced call) leaves no room for a think block.
+    def parser(self) -> StreamParser:
+        tool_names = frozenset() if self.json_output else self.tool_names
+        if self.profile.harmony:
+            # Channels mark reasoning and calls explicitly, grammar or not.
+            return HarmonyParser(tool_names=tool_names)
+        # A grammar leaves no room for a think block: JSON starts at once, and
+        # a forced call only closes the block the template opened.
         forced = self.json_output or self.params.grammar is not None
         return OutputParser(
             thinking=self.profile.thinks and not forced,
-            starts_in_reasoning=self.profile.starts_in_reasoning and not forced,
-            tool_names=frozenset() if self.json_output else self.tool_names,
+            starts_in_reasoning=self.profile.starts_in_reasoning and not self.json_output,
+            tool_names=tool_names,
             bare_json_calls=not self.json_output,
         )
 
@@ -123,6 +128,8 @@ def _constrain_calls(
             [(t.name, t.parameters) for t in chosen],
             style=profile.tool_style,
             parallel=parallel and not isinstance(choice, NamedFunction),
+            # The template opened a think block: the call follows its end, as the model writes it.
+            prefix="</think>\n\n" if profile.starts_in_reasoning else "",
         )
         params.json_schema, params.json_object = None, False
     elif tools and choice == "auto" and not parallel and profile.tool_style == "hermes":
