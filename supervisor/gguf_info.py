@@ -1,9 +1,11 @@
 """Facts about a GGUF model, read from its header only.
 
-The parser walks the fixed header and the key/value section of a memory-mapped
-file and stops there: tensor data is never touched, so even a 100 GB model is
-read in a few milliseconds. Large arrays (the tokenizer's tokens, scores and
-merges) are skipped by length; only their item count is kept.
+The parser walks the fixed header, the key/value section and the tensor
+index of a memory-mapped file and stops there: tensor data is never touched,
+so even a 100 GB model is read in a few milliseconds. Large arrays (the
+tokenizer's tokens, scores and merges) are skipped by length; only their item
+count is kept. Of the tensor index only the bytes per repeating layer are
+kept (:class:`TensorSizes`): what partial GPU offload moves layer by layer.
 
 :func:`read_gguf_info` turns the raw keys into :class:`GgufInfo`, resolving the
 per-layer roles the way llama.cpp does when it builds a context: which layers
@@ -30,6 +32,12 @@ GGUF_MAGIC = b"GGUF"
 # Arrays longer than this are skipped (tokenizer data), only counted.
 _MAX_DECODED_ARRAY = 8192
 _MAX_KV_COUNT = 1_000_000
+# Real models have a few thousand tensors; a larger count is a corrupt header
+# (and would cost seconds to walk).
+_MAX_TENSORS = 100_000
+_MAX_TENSOR_DIMS = 8  # ggml itself has 4
+_DEFAULT_ALIGNMENT = 32
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
 
 # GGUF value types: (struct format, byte size) for the fixed-size ones.
 _SCALARS: dict[int, tuple[str, int]] = {
@@ -92,6 +100,45 @@ class GgufError(Exception):
         self.reason = reason
 
 
+class TensorSizes(msgspec.Struct, frozen=True, kw_only=True):
+    """Bytes of tensor data in a file, grouped the way llama.cpp places them.
+
+    The repeating layers go to the GPU from the last one down; the output
+    head goes with the first offloaded layer; the input embeddings always
+    stay in RAM. A model without ``output.weight`` ties its head to the token
+    embeddings, and llama.cpp then copies those to the output's device.
+    """
+
+    layer_bytes: list[int] = []  # per repeating layer (blk.N), n_layer items
+    output_bytes: int = 0  # the output head and final norm (output*)
+    token_embd_bytes: int = 0
+    other_bytes: int = 0  # everything else outside the blocks (input side)
+    has_output_head: bool = False
+
+    @property
+    def output_device_bytes(self) -> int:
+        """What the output layer puts on its device, a tied head included."""
+        tied = 0 if self.has_output_head else self.token_embd_bytes
+        return self.output_bytes + tied
+
+    @property
+    def total(self) -> int:
+        return sum(self.layer_bytes) + self.output_bytes + self.token_embd_bytes + self.other_bytes
+
+    def merged(self, other: TensorSizes) -> TensorSizes:
+        """The sizes of a shard set from the sizes of its files."""
+        n = max(len(self.layer_bytes), len(other.layer_bytes))
+        mine = self.layer_bytes + [0] * (n - len(self.layer_bytes))
+        theirs = other.layer_bytes + [0] * (n - len(other.layer_bytes))
+        return TensorSizes(
+            layer_bytes=[a + b for a, b in zip(mine, theirs, strict=True)],
+            output_bytes=self.output_bytes + other.output_bytes,
+            token_embd_bytes=self.token_embd_bytes + other.token_embd_bytes,
+            other_bytes=self.other_bytes + other.other_bytes,
+            has_output_head=self.has_output_head or other.has_output_head,
+        )
+
+
 class GgufInfo(msgspec.Struct, kw_only=True):
     """Header facts of one GGUF file; per-layer lists have ``n_layer`` items."""
 
@@ -111,6 +158,8 @@ class GgufInfo(msgspec.Struct, kw_only=True):
     n_head_per_layer: list[int] = []
     n_head_kv_per_layer: list[int] = []
     n_ff_per_layer: list[int] = []
+    n_expert_used: int = 0  # experts each token runs through (MoE)
+    n_ff_exp: int = 0  # feed-forward width of one expert, when it differs from n_ff
     key_length: int = 0
     value_length: int = 0
     key_length_swa: int = 0
@@ -138,6 +187,8 @@ class GgufInfo(msgspec.Struct, kw_only=True):
     chat_template: str | None = None
     supports_tools: bool = False
     supports_reasoning: bool = False
+    # This file's tensor data by placement; other shards of a set hold the rest.
+    tensors: TensorSizes = TensorSizes()
 
     @property
     def is_recurrent(self) -> bool:
@@ -185,6 +236,10 @@ class _Cursor:
             return bytes(raw).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise GgufError(self.path, f"invalid UTF-8 in {what}") from exc
+
+    def skip(self, n: int, what: str) -> None:
+        self._need(n, what)
+        self.pos += n
 
     def skip_strings(self, count: int, what: str) -> None:
         # A tight loop: tokenizer arrays hold a few hundred thousand strings.
@@ -235,13 +290,25 @@ def read_gguf_kv(path: Path) -> tuple[int, int, dict[str, Any], dict[str, int]]:
 
     Arrays longer than a few thousand items map to None (only counted).
     """
+    version, tensor_count, kv, counts, _ = _read(path, tensors=False)
+    return version, tensor_count, kv, counts
+
+
+_Parsed = tuple[int, int, dict[str, Any], dict[str, int], list[tuple[str, int]]]
+
+
+def _read(path: Path, *, tensors: bool) -> _Parsed:
+    """The header, and with ``tensors`` the (name, data bytes) of each tensor."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < 24:
                 raise GgufError(path, f"file is too short to be GGUF ({size} bytes)")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                return _parse(_Cursor(mm, path))
+                cur = _Cursor(mm, path)
+                version, tensor_count, kv, counts = _parse(cur)
+                spans = _tensor_spans(cur, tensor_count, _alignment(cur, kv)) if tensors else []
+                return version, tensor_count, kv, counts, spans
     except OSError as exc:
         raise GgufError(path, f"cannot read file: {exc.strerror or exc}") from exc
 
@@ -266,16 +333,83 @@ def _parse(cur: _Cursor) -> tuple[int, int, dict[str, Any], dict[str, int]]:
     return version, tensor_count, kv, counts
 
 
+def _alignment(cur: _Cursor, kv: dict[str, Any]) -> int:
+    value = kv.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(value, int) or value <= 0 or value & (value - 1):
+        raise GgufError(cur.path, f"general.alignment {value!r} is not a power of two")
+    return value
+
+
+def _tensor_spans(cur: _Cursor, count: int, alignment: int) -> list[tuple[str, int]]:
+    """(name, bytes) of each tensor's data, from the tensor index after the keys.
+
+    Sizes come from the gaps between data offsets (alignment padding
+    included), so tensor types unknown to this reader cost nothing.
+    """
+    if count > _MAX_TENSORS:
+        raise GgufError(cur.path, f"implausible tensor count {count}")
+    index: list[tuple[int, str]] = []
+    for _ in range(count):
+        name = cur.string("tensor name")
+        n_dims = cur.u32(f"tensor {name!r}")
+        if n_dims > _MAX_TENSOR_DIMS:
+            raise GgufError(cur.path, f"tensor {name!r} claims {n_dims} dimensions")
+        cur.skip(8 * n_dims + 4, f"tensor {name!r}")  # shape and type
+        index.append((cur.u64(f"tensor {name!r}"), name))
+    data_size = cur.size - -(-cur.pos // alignment) * alignment
+    index.sort()
+    spans: list[tuple[str, int]] = []
+    for i, (offset, name) in enumerate(index):
+        end = index[i + 1][0] if i + 1 < len(index) else data_size
+        if end > data_size or offset > data_size:
+            raise GgufError(cur.path, f"truncated: the data of tensor {name!r} runs past the end")
+        spans.append((name, end - offset))
+    return spans
+
+
+def tensor_sizes(spans: list[tuple[str, int]], n_layer: int) -> TensorSizes:
+    """Group tensor data bytes by layer, output head, and input side."""
+    layers = [0] * n_layer
+    output = token_embd = other = 0
+    has_head = False
+    for name, size in spans:
+        block = _BLOCK_TENSOR.match(name)
+        if block is not None and int(block.group(1)) < n_layer:
+            layers[int(block.group(1))] += size
+        elif name.startswith("output"):
+            output += size
+            has_head = has_head or name == "output.weight"
+        elif name == "token_embd.weight":
+            token_embd += size
+        else:
+            other += size
+    return TensorSizes(
+        layer_bytes=layers,
+        output_bytes=output,
+        token_embd_bytes=token_embd,
+        other_bytes=other,
+        has_output_head=has_head,
+    )
+
+
+def read_tensor_sizes(path: Path, n_layer: int) -> TensorSizes:
+    """The tensor data of one file (e.g. a further shard) by placement."""
+    *_, spans = _read(path, tensors=True)
+    return tensor_sizes(spans, n_layer)
+
+
 def read_gguf_info(path: Path) -> GgufInfo:
     """Read ``path``'s header into :class:`GgufInfo`; raises :class:`GgufError`."""
-    version, tensor_count, kv, counts = read_gguf_kv(path)
+    version, tensor_count, kv, counts, spans = _read(path, tensors=True)
     arch = kv.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise GgufError(path, "header has no general.architecture")
     try:
-        return _interpret(arch, version, tensor_count, kv, counts)
+        info = _interpret(arch, version, tensor_count, kv, counts)
     except (TypeError, ValueError) as exc:
         raise GgufError(path, f"malformed {arch} header: {exc}") from exc
+    info.tensors = tensor_sizes(spans, info.n_layer)
+    return info
 
 
 def _int(kv: dict[str, Any], key: str, default: int = 0) -> int:
@@ -419,6 +553,8 @@ def _interpret(
         n_head_per_layer=heads,
         n_head_kv_per_layer=heads_kv,
         n_ff_per_layer=ff,
+        n_expert_used=_int(kv, f"{a}.expert_used_count"),
+        n_ff_exp=_int(kv, f"{a}.expert_feed_forward_length"),
         key_length=key_length,
         value_length=value_length,
         key_length_swa=_int(kv, f"{a}.attention.key_length_swa", key_length),

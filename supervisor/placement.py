@@ -1,17 +1,36 @@
-"""Where a model fits: free memory, the memory budget, and the context choice.
+"""Where a model fits: free memory, the memory budget, the context and GPU layers.
 
 The pool asks :func:`plan_load` before spawning a worker; a model whose
 weights cannot fit is refused here, before any loading, with the sizes named.
+On a GPU, a model too big for its free memory is planned with partial
+offload: the last layers that fit on the GPU, the rest in RAM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable
+from pathlib import Path
 
 from supervisor.config import ModelSettings
+from supervisor.gguf_info import GgufError, GgufInfo, TensorSizes, read_tensor_sizes
 from supervisor.library import ModelEntry
-from supervisor.memfit import ContextDecision, KvOptions, MemorySnapshot, choose_context, free_memory
+from supervisor.memfit import (
+    ContextDecision,
+    KvOptions,
+    MemorySnapshot,
+    choose_context,
+    free_memory,
+)
+
+log = logging.getLogger("gpuvisor.placement")
+
+# GPU memory a new worker takes beyond its buffers, which nvidia-smi still
+# counted as free before it started: the CUDA context, cuBLAS workspaces and
+# allocator rounding. A round figure, not a measurement; llama.cpp's own fit
+# keeps a 1 GiB margin per device.
+GPU_RUNTIME_RESERVE = 512 * 1024 * 1024
 
 
 async def measure_free(budget_bytes: int, committed: Iterable[int]) -> tuple[int, str]:
@@ -27,19 +46,46 @@ async def measure_free(budget_bytes: int, committed: Iterable[int]) -> tuple[int
     return free, snap.kind
 
 
-def plan_load(entry: ModelEntry, settings: ModelSettings, *, explicit_ctx: bool, target_ctx: int,
-              min_ctx: int, free_bytes: int, memory_kind: str, slots: int = 1) -> ContextDecision | None:
-    """The context to load with, or None when the header is unreadable (the
-    worker then fails to load it, exit code 3, and reports why).
+def shard_tensor_sizes(entry: ModelEntry, info: GgufInfo) -> TensorSizes:
+    """Per-layer sizes of the whole model: a shard set's further files hold
+    layers too (the library reads only the first file's header).
 
-    Raises DoesNotFit (400) when nothing fits in ``free_bytes``.
+    With a further shard unreadable the sizes are unknown, and the model is
+    planned whole (the worker then reports what is wrong with the file).
+    """
+    sizes = info.tensors
+    for path in entry.files[1:]:
+        try:
+            sizes = sizes.merged(read_tensor_sizes(Path(path), info.n_layer))
+        except GgufError as exc:
+            log.warning("%s: cannot size its layers, so it is not split between GPU and RAM: %s",
+                        entry.id, exc)
+            return TensorSizes()
+    return sizes
+
+
+def kv_options(settings: ModelSettings, *, slots: int, embedding: bool) -> KvOptions:
+    """The engine settings a worker runs ``settings`` with, as memfit needs them."""
+    cache = settings.cache_type or "f16"
+    # The worker sets the engine to match: flash attention on, swa_full off,
+    # a cache per slot for generation and one shared cache for embeddings.
+    return KvOptions(cache_type_k=cache, cache_type_v=cache, flash_attn=True, slots=slots,
+                     kv_unified=embedding, n_outputs=1 + (settings.draft_ngram or 0))
+
+
+def plan_load(entry: ModelEntry, settings: ModelSettings, *, explicit_ctx: bool, target_ctx: int,
+              min_ctx: int, free_bytes: int, memory_kind: str, slots: int = 1,
+              embedding: bool = False) -> ContextDecision | None:
+    """The context and GPU layers to load with, or None when the header is
+    unreadable (the worker then fails to load it, exit code 3, and reports why).
+
+    Raises DoesNotFit (400) when nothing fits in ``free_bytes``. Reads the
+    headers of a shard set's further files: call it in a thread.
     """
     info = entry.info
     if info is None:
         return None
-    cache = settings.cache_type or "f16"
-    # The worker sets the engine's flash attention and swa_full to match.
-    opts = KvOptions(cache_type_k=cache, cache_type_v=cache, flash_attn=cache != "f16", slots=slots)
+    opts = kv_options(settings, slots=slots, embedding=embedding)
     native = info.context_length or target_ctx
     requested = settings.n_ctx if explicit_ctx else None
     return choose_context(
@@ -50,5 +96,8 @@ def plan_load(entry: ModelEntry, settings: ModelSettings, *, explicit_ctx: bool,
         target=min(target_ctx, native) if requested is None else None,
         floor=min(min_ctx, native),
         opts=opts,
+        reserve_bytes=GPU_RUNTIME_RESERVE if memory_kind == "gpu" else 0,
         memory_kind=memory_kind,
+        n_gpu_layers=settings.n_gpu_layers if settings.n_gpu_layers is not None else -1,
+        tensors=shard_tensor_sizes(entry, info),
     )
