@@ -197,10 +197,12 @@ def build_app(cfg: Config) -> web.Application:
     gate = auth.Auth.from_config(cfg)
     stats = metrics.Metrics()
     # Outermost first: the real client (proxies), then the request id and
-    # access log, metrics, typed errors, refusal while draining, auth.
+    # access log, metrics, typed errors, the Host allowlist, refusal while
+    # draining, auth, then JSON-only bodies (after auth: 401 before 415).
     app = web.Application(middlewares=[
         proxies.TrustedProxies.from_config(cfg).middleware(), logs.access_middleware(cfg.access_log),
-        stats.middleware(), error_middleware, shutdown.refuse_while_draining, gate.middleware(),
+        stats.middleware(), error_middleware, proxies.HostAllowlist.from_config(cfg).middleware(),
+        shutdown.refuse_while_draining, gate.middleware(), auth.require_json,
     ], client_max_size=cfg.max_body_bytes)
     app[CONFIG] = cfg
     app[STARTED_AT] = time.time()

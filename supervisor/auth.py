@@ -4,13 +4,25 @@
   a name; only a salted scrypt hash is stored, in the database (added and
   revoked with ``gpuvisor keys``) or in config (``api_keys``). The public id
   selects the one hash to check, so a request costs one scrypt at most, and a
-  verified key is remembered (as a digest) for later requests.
+  verified key is remembered (as a digest) for later requests. A token with
+  no known id (or of no known shape) is refused without hashing.
 - An admin token for ``/api/*`` mutations and the UI (bearer, or a session
   cookie set by ``POST /login``). Without an admin token, API keys are admins.
-- ``/healthz``, ``/readyz`` and ``/login`` stay open. With nothing configured
-  everything is open (the CLI refuses a non-loopback bind in that case).
-- State-changing requests from a browser must come from our own origin (CSRF);
-  every response carries security headers.
+  A hashed admin token is checked only against ``gva_`` tokens (the shape
+  ``gpuvisor keys admin-token`` makes), and once verified, only against
+  tokens with its id.
+- Failed authentications are budgeted per client address (``auth_failure_*``):
+  over budget, 429 with Retry-After, and nothing is hashed for that client.
+- ``/healthz``, ``/readyz`` and ``/login`` stay open; with authentication on,
+  the probes tell an anonymous caller only ok / not ok.
+- Authentication, once configured, stays on (``auth`` setting): revoking the
+  last key refuses protected routes rather than opening them. Off (nothing
+  configured, or ``auth = "off"``) on a non-loopback address without
+  ``allow_unauthenticated``, every request is refused (503).
+- State-changing requests from a browser must come from our own origin
+  (CSRF), and JSON routes take only ``application/json`` bodies (a page
+  cannot send those cross-site without a CORS preflight); every response
+  carries security headers.
 """
 
 from __future__ import annotations
@@ -18,19 +30,30 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from supervisor.config import Config
+from supervisor.config import AuthMode, Config
 from supervisor.db import Database
-from supervisor.errors import ApiError, BadRequest, Conflict, NotFound, Unauthorized
-from supervisor.keys import DB
+from supervisor.errors import (
+    ApiError,
+    BadRequest,
+    Conflict,
+    NotFound,
+    PayloadTooLarge,
+    RequestTimeout,
+    Unauthorized,
+)
+from supervisor.httputil import json_response
+from supervisor.keys import CONFIG, DB
+from supervisor.proxies import client_key, is_loopback_host
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Role = Literal["user", "admin"]
@@ -48,9 +71,18 @@ AUTH_SCHEMA = [
 ]
 
 KEY_PREFIX = "gv_"
+ADMIN_PREFIX = "gva_"  # `gpuvisor keys admin-token`
 SESSION_COOKIE = "gpuvisor_session"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/login"})
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+# Ours are ~55 characters; a longer bearer is no credential of ours.
+MAX_TOKEN_CHARS = 256
+# The login form is one token: a few KiB, not the API's body limit.
+LOGIN_MAX_BYTES = 4096
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# /v1 and /api routes whose body is not JSON (multipart uploads).
+NON_JSON_BODIES = frozenset({"/api/datasets"})
 # scrypt cost: ~16 MiB and tens of ms once per key per process (then cached).
 _SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 1 << 14, 8, 1
 
@@ -70,6 +102,34 @@ class Forbidden(ApiError):
     status = 403
     type = "permission_error"
     code = "forbidden"
+
+
+class TooManyRequests(ApiError):
+    """Too many failed authentications from this client (429, Retry-After)."""
+
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after)})
+
+
+class UnsupportedMediaType(ApiError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class OpenlyExposed(ApiError):
+    """Authentication is off on a non-loopback address (503; waiting won't fix it)."""
+
+    status = 503
+    type = "server_error"
+    code = "authentication_not_configured"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"x-should-retry": "false"})
 
 
 # ---------------------------------------------------------------- hashing
@@ -100,10 +160,10 @@ def new_api_key() -> tuple[str, str]:
     return key_id, f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
 
 
-def key_id_of(key: str) -> str | None:
-    if not key.startswith(KEY_PREFIX):
+def key_id_of(key: str, prefix: str = KEY_PREFIX) -> str | None:
+    if not key.startswith(prefix):
         return None
-    key_id, sep, rest = key[len(KEY_PREFIX):].partition("_")
+    key_id, sep, rest = key[len(prefix):].partition("_")
     return key_id if sep and rest and len(key_id) == 8 else None
 
 
@@ -185,6 +245,52 @@ class KeyStore:
             "SELECT EXISTS(SELECT 1 FROM api_keys WHERE revoked_at IS NULL)"))
         return bool(rows[0][0])
 
+    async def any_ever(self) -> bool:
+        """A key was ever stored (revoking keeps the row): auth was configured."""
+        rows = list(await self.db.conn.execute_fetchall("SELECT EXISTS(SELECT 1 FROM api_keys)"))
+        return bool(rows[0][0])
+
+
+# ---------------------------------------------------------------- failure budget
+
+
+class FailureLimiter:
+    """Failed authentications per client (``client_key``): a bucket of
+    ``limit`` that refills evenly over ``window`` seconds."""
+
+    def __init__(self, limit: int = 10, window: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic, max_clients: int = 10_000) -> None:
+        self.limit = float(limit)
+        self.rate = limit / window
+        self.clock = clock
+        self.max_clients = max_clients
+        self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, when)
+
+    def _tokens(self, key: str, now: float) -> float:
+        tokens, then = self._buckets.get(key, (self.limit, now))
+        return min(self.limit, tokens + (now - then) * self.rate)
+
+    def check(self, client: str) -> None:
+        """Raise TooManyRequests while ``client`` has no failure left."""
+        tokens = self._tokens(client_key(client), self.clock())
+        if tokens < 1:
+            wait = max(1, math.ceil((1 - tokens) / self.rate))
+            raise TooManyRequests(f"too many failed authentications from this address; retry in {wait} s",
+                                  retry_after=wait)
+
+    def record(self, client: str) -> None:
+        key, now = client_key(client), self.clock()
+        self._buckets[key] = (self._tokens(key, now) - 1, now)
+        if len(self._buckets) > self.max_clients:
+            self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        for key in [k for k in self._buckets if self._tokens(k, now) >= self.limit]:
+            del self._buckets[key]
+        # Still full: the oldest go (so many addresses outrun any per-address budget).
+        while len(self._buckets) > self.max_clients:
+            del self._buckets[next(iter(self._buckets))]
+
 
 # ---------------------------------------------------------------- the gate
 
@@ -195,12 +301,27 @@ class Principal:
     role: Role
 
 
+ADMIN = Principal("admin", "admin")
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """The one stored hash a token could match: found without hashing."""
+
+    slot: str  # key id, or "admin"
+    stored: str
+    who: Principal
+
+
 class Auth:
-    """Who is calling, and may they? Owns the verified-key cache and sessions."""
+    """Who is calling, and may they? Owns the verified-key cache, sessions and
+    the failure budget."""
 
     def __init__(self, store: KeyStore | None, config_keys: dict[str, KeyRecord], admin_token: str,
                  allowed_origins: Sequence[str] = (), clock: Callable[[], float] = time.monotonic,
-                 enabled_ttl: float = 1.0, session_ttl: float = 12 * 3600) -> None:
+                 enabled_ttl: float = 1.0, session_ttl: float = 12 * 3600, mode: AuthMode = "auto",
+                 bind_host: str = "127.0.0.1", allow_unauthenticated: bool = False,
+                 failures: FailureLimiter | None = None) -> None:
         self.store = store
         self.config_keys = config_keys
         self.admin_token = admin_token
@@ -208,59 +329,109 @@ class Auth:
         self.clock = clock
         self.enabled_ttl = enabled_ttl
         self.session_ttl = session_ttl
+        self.mode = mode
+        self.bind_host = bind_host
+        # Serving without authentication here would open the service to the network.
+        self.exposed = not is_loopback_host(bind_host) and not allow_unauthenticated
+        self.failures = failures or FailureLimiter(clock=clock)
         self._verified: dict[str, bytes] = {}  # key id (or "admin") -> sha256 of the presented secret
         self._sessions: dict[str, float] = {}  # session id -> expiry
+        self._admin_id: str | None = None  # the hashed admin token's id, once verified
         self._enabled_at = -enabled_ttl
-        self._db_keys = False
+        self._db_keys_ever = False
+        self._active_at = -enabled_ttl
+        self._db_keys_active = False
 
     @classmethod
     def from_config(cls, cfg: Config) -> Auth:
-        return cls(None, parse_config_keys(cfg.api_keys), cfg.admin_token, cfg.allowed_origins)
+        return cls(None, parse_config_keys(cfg.api_keys), cfg.admin_token, cfg.allowed_origins,
+                   mode=cfg.auth, bind_host=cfg.host, allow_unauthenticated=cfg.allow_unauthenticated,
+                   failures=FailureLimiter(cfg.auth_failure_limit, cfg.auth_failure_window))
 
     async def enabled(self) -> bool:
-        if self.admin_token or self.config_keys:
-            return True
+        if self.mode != "auto":
+            return self.mode == "on"
+        if self.admin_token or self.config_keys or self._db_keys_ever:
+            return True  # once seen, a stored key keeps auth on for good (rows are never deleted)
         if self.store is None:
             return False
         now = self.clock()
         if now - self._enabled_at >= self.enabled_ttl:
             # Cached briefly: keys added by the CLI take effect within the TTL.
-            self._db_keys = await self.store.any_active()
+            self._db_keys_ever = await self.store.any_ever()
             self._enabled_at = now
-        return self._db_keys
+        return self._db_keys_ever
 
-    async def _check_cached(self, slot: str, secret: str, stored: str) -> bool:
-        digest = _digest(secret)
-        known = self._verified.get(slot)
-        if known is not None and hmac.compare_digest(known, digest):
+    async def any_credential(self) -> bool:
+        """Some admin token or active key exists (else nobody can get in)."""
+        if self.admin_token or self.config_keys:
             return True
-        if not await asyncio.to_thread(verify_secret, secret, stored):
+        if self.store is None:
             return False
-        self._verified[slot] = digest
-        return True
+        now = self.clock()
+        if now - self._active_at >= self.enabled_ttl:
+            self._db_keys_active = await self.store.any_active()
+            self._active_at = now
+        return self._db_keys_active
 
-    async def check_admin_token(self, token: str) -> bool:
-        if not self.admin_token:
+    def _plain_admin(self, token: str) -> bool:
+        if not self.admin_token or self.admin_token.startswith("scrypt$"):
             return False
-        if self.admin_token.startswith("scrypt$"):
-            return await self._check_cached("admin", token, self.admin_token)
         # Digests of equal length: no timing leak of the token or its length.
         return hmac.compare_digest(_digest(token), _digest(self.admin_token))
 
-    async def identify_bearer(self, token: str) -> Principal | None:
-        # API keys first: their id picks the one hash to check, so a key
-        # request never pays for a scrypt of a hashed admin token.
+    def _admin_candidate(self, token: str) -> _Candidate | None:
+        if not self.admin_token.startswith("scrypt$") or not token.startswith(ADMIN_PREFIX):
+            return None
+        if self._admin_id is not None and key_id_of(token, ADMIN_PREFIX) != self._admin_id:
+            return None  # not the admin token we verified before: no scrypt for it
+        return _Candidate("admin", self.admin_token, ADMIN)
+
+    async def _candidate(self, token: str) -> _Candidate | None:
         key_id = key_id_of(token)
-        record = None if key_id is None else self.config_keys.get(key_id)
-        if key_id is not None and record is None and self.store is not None:
+        if key_id is None:
+            return self._admin_candidate(token)
+        record = self.config_keys.get(key_id)
+        if record is None and self.store is not None:
             record = await self.store.lookup(key_id)
-        if key_id is not None and record is not None:
-            if not await self._check_cached(key_id, token, record.hash):
-                return None
-            return Principal(record.name, "user" if self.admin_token else "admin")
-        if await self.check_admin_token(token):
-            return Principal("admin", "admin")
-        return None
+        if record is None:
+            return None  # an id nobody holds: refused without hashing
+        return _Candidate(key_id, record.hash, Principal(record.name, "user" if self.admin_token else "admin"))
+
+    def _failed(self, client: str) -> None:
+        self.failures.check(client)  # over budget: 429 rather than 401
+        self.failures.record(client)
+
+    async def _verify(self, candidate: _Candidate | None, token: str, client: str) -> Principal | None:
+        """At most one scrypt; none for a client over its failure budget."""
+        if candidate is None or len(token) > MAX_TOKEN_CHARS:
+            self._failed(client)
+            return None
+        digest = _digest(token)
+        known = self._verified.get(candidate.slot)
+        if known is not None and hmac.compare_digest(known, digest):
+            return candidate.who  # verified before: no hashing, and no budget needed
+        self.failures.check(client)
+        if not await asyncio.to_thread(verify_secret, token, candidate.stored):
+            self._failed(client)
+            return None
+        self._verified[candidate.slot] = digest
+        if candidate.slot == "admin":
+            self._admin_id = key_id_of(token, ADMIN_PREFIX)
+        return candidate.who
+
+    async def check_admin_token(self, token: str, client: str = "") -> bool:
+        if self._plain_admin(token):
+            return True
+        return await self._verify(self._admin_candidate(token), token, client) is not None
+
+    async def identify_bearer(self, token: str, client: str = "") -> Principal | None:
+        """The caller behind ``token``, or None. Raises TooManyRequests for a
+        client over its failure budget (unless its token was verified before)."""
+        if self._plain_admin(token):
+            return ADMIN
+        candidate = await self._candidate(token) if len(token) <= MAX_TOKEN_CHARS else None
+        return await self._verify(candidate, token, client)
 
     def new_session(self) -> str:
         now = self.clock()
@@ -281,7 +452,7 @@ class Auth:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() == "bearer" and token.strip():
-            return await self.identify_bearer(token.strip())
+            return await self.identify_bearer(token.strip(), request.remote or "")
         sid = request.cookies.get(SESSION_COOKIE)
         if sid and self.session_valid(sid):
             return Principal("admin-session", "admin")
@@ -312,23 +483,62 @@ class Auth:
         # Any key may read the API description: clients generate code from it.
         if path.startswith("/v1/") or path in ("/metrics", "/openapi.json"):
             return "user"
+        # A worker's log shows file paths and native stacks: for the operator only.
+        if path.startswith("/api/models/") and path.endswith("/log"):
+            return "admin"
         if path.startswith("/api/"):
             return "user" if request.method in SAFE_METHODS else "admin"
         return "admin"  # the UI
+
+    async def _probe(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """An open probe: details (workers, pids, failure reasons) only for
+        a caller who is signed in; anyone else learns ok or not ok."""
+        resp = await handler(request)
+        try:
+            who = await self.identify(request)
+        except TooManyRequests:
+            who = None  # over budget: answered as anonymous, never with 429
+        if who is not None:
+            return resp
+        ok = resp.status < 400
+        body = {"ready": ok} if request.path == "/readyz" else {"status": "ok" if ok else "error"}
+        return json_response(body, status=resp.status)
+
+    def _refuse_exposed(self) -> OpenlyExposed:
+        if self.mode == "off":
+            why, fix = 'auth = "off" is set', 'remove auth = "off"'
+        else:
+            why, fix = "no admin token or API key is configured", "add a key (gpuvisor keys add NAME)"
+        return OpenlyExposed(
+            f"refusing to serve: {why} and this service listens on {self.bind_host}, where anyone "
+            f"who can reach it could use it; {fix}, or set allow_unauthenticated = true on a network "
+            "you trust completely")
+
+    async def _unauthorized(self) -> Unauthorized:
+        message = "missing or invalid API key: send 'Authorization: Bearer <key>'"
+        if not await self.any_credential():
+            message = ("authentication is on but no admin token or API key is active (the last one "
+                       "was revoked): add one with `gpuvisor keys add NAME`, or set auth = \"off\" "
+                       "to serve without authentication")
+        return Unauthorized(message, headers={"WWW-Authenticate": 'Bearer realm="gpuvisor"'})
 
     def middleware(self) -> Middleware:
         @web.middleware
         async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
             self.check_origin(request)
-            need = self.required_role(request)
-            if need is None or not await self.enabled():
+            if not await self.enabled():
+                if self.exposed:
+                    raise self._refuse_exposed()
                 return await handler(request)
+            need = self.required_role(request)
+            if need is None:
+                return await (self._probe(request, handler) if request.path in PROBE_PATHS
+                              else handler(request))
             who = await self.identify(request)
             if who is None:
                 if request.path == "/" and "text/html" in request.headers.get("Accept", ""):
                     return web.Response(status=303, headers={"Location": "login"})
-                raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                   headers={"WWW-Authenticate": 'Bearer realm="gpuvisor"'})
+                raise await self._unauthorized()
             if need == "admin" and who.role != "admin":
                 raise Forbidden(f"key {who.name!r} may not do this: it needs the admin token")
             request["auth_name"] = who.name
@@ -362,11 +572,26 @@ async def login_page(request: web.Request) -> web.Response:
     return web.Response(text=_LOGIN_PAGE % "", content_type="text/html")
 
 
+async def _login_form(request: web.Request) -> Mapping[str, object]:
+    """The form, read under a small limit and the body timeout (as JSON bodies are)."""
+    cfg = request.app[CONFIG]
+    too_large = PayloadTooLarge(f"the login form is limited to {LOGIN_MAX_BYTES} bytes")
+    if request.content_length is not None and request.content_length > LOGIN_MAX_BYTES:
+        raise too_large
+    small = request.clone(client_max_size=LOGIN_MAX_BYTES)
+    try:
+        async with asyncio.timeout(cfg.body_timeout):
+            return await small.post()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise too_large from exc
+    except TimeoutError as exc:
+        raise RequestTimeout(f"the request body did not arrive within {cfg.body_timeout:g} s") from exc
+
+
 async def login(request: web.Request) -> web.StreamResponse:
     auth = request.app[AUTH]
-    form = await request.post()
-    token = form.get("token")
-    if not isinstance(token, str) or not await auth.check_admin_token(token):
+    token = (await _login_form(request)).get("token")
+    if not await auth.check_admin_token(token if isinstance(token, str) else "", request.remote or ""):
         return web.Response(text=_LOGIN_PAGE % "<p>Wrong token.</p>", status=401, content_type="text/html")
     # Relative redirects keep working when a proxy serves us under a path.
     resp = web.Response(status=303, headers={"Location": "./"})
@@ -382,6 +607,23 @@ async def logout(request: web.Request) -> web.StreamResponse:
     resp = web.Response(status=303, headers={"Location": "login"})
     resp.del_cookie(SESSION_COOKIE, path="/")
     return resp
+
+
+@web.middleware
+async def require_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A JSON route's body must be declared application/json: a page can POST
+    text/plain or a form to any site without asking, but never JSON. A body
+    declared over the limit is refused for its size first (413, unread)."""
+    if (request.method not in BODY_METHODS or not request.path.startswith(("/v1/", "/api/"))
+            or request.path in NON_JSON_BODIES or not request.body_exists):
+        return await handler(request)
+    limit = request.app[CONFIG].max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    if request.content_type != "application/json":
+        raise UnsupportedMediaType(
+            f"this route takes a JSON body with Content-Type: application/json, not {request.content_type!r}")
+    return await handler(request)
 
 
 async def security_headers(request: web.Request, response: web.StreamResponse) -> None:

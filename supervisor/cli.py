@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
+from importlib import metadata
 from typing import Any
 
 import msgspec
 import uvloop
 from aiohttp import web
 
-from supervisor import logs, service_cli, systemd
+from supervisor import logs, proxies, service_cli, systemd
 from supervisor.app import build_app
 from supervisor.config import Config, ConfigError, load_config
 from supervisor.shutdown import SHUTDOWN
@@ -53,7 +56,41 @@ def _drain_bound(cfg: Config) -> float:
     return cfg.shutdown_timeout * 2 + cfg.job_grace_s + cfg.kill_grace * 2 + 10
 
 
+class ListenError(Exception):
+    pass
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The service's listening socket, bound before anything starts (a worker
+    started for nothing, then a page of traceback, was the old way to learn
+    that the port is taken). ListenError says what to do instead."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                   flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {host!r}: {exc.strerror} (check --host)") from exc
+    try:
+        return socket.create_server(addr, family=family, backlog=1024)
+    except OSError as exc:
+        raise ListenError(_listen_problem(host, port, exc)) from exc
+
+
+def _listen_problem(host: str, port: int, exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return f"port {port} is in use (is gpuvisor already running? use --port)"
+    if exc.errno == errno.EACCES:
+        return f"cannot listen on port {port}: permission denied (ports below 1024 need privileges; use --port)"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"cannot listen on {host}: not an address of this machine (check --host)"
+    return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+
+
 async def serve(cfg: Config) -> int:
+    try:
+        sock = listen_socket(cfg.host, cfg.port)
+    except ListenError as exc:
+        print(f"gpuvisor: {exc}", file=sys.stderr)
+        return 1
     loop = asyncio.get_running_loop()
     stop = Shutdown()
     # Read and remove NOTIFY_SOCKET: no child may notify systemd in our name.
@@ -64,18 +101,21 @@ async def serve(cfg: Config) -> int:
     stop.hurry = app[SHUTDOWN].hurry
     # handler_cancellation: a client that disconnects cancels its handler,
     # which cancels its generation in the worker even during a silent prefill.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=cfg.shutdown_timeout)
+    # The guard bounds the time to send headers and the connections per client.
+    runner = proxies.GuardedRunner(app, proxies.ConnectionGuard.from_config(cfg), handler_cancellation=True,
+                                   access_log=None, shutdown_timeout=cfg.shutdown_timeout,
+                                   keepalive_timeout=cfg.keepalive_timeout)
     # setup() runs the cleanup contexts: database open, boot recovery, lab.
     await runner.setup()
     keepalive: asyncio.Task[None] | None = None
     extend: asyncio.Task[None] | None = None
     try:
-        site = web.TCPSite(runner, cfg.host, cfg.port)
+        site = web.SockSite(runner, sock)
         await site.start()
         port = runner.addresses[0][1]
         # Tests and scripts read this line to learn the port when it was 0.
         print(f"gpuvisor listening on http://{cfg.host}:{port}", flush=True)
+        print(f"lab UI: {service_cli.local_url(cfg.host, port)}/", flush=True)
         log.info("state dir %s, models dir %s", cfg.state_dir, cfg.models_dir)
         notifier.ready(systemd.service_status(app))
         keepalive = asyncio.create_task(systemd.keepalive(
@@ -90,6 +130,7 @@ async def serve(cfg: Config) -> int:
         await runner.cleanup()
         await _end_task(extend)
         notifier.close()
+        sock.close()
     log.info("stopped")
     return 0
 
@@ -106,8 +147,16 @@ async def _end_task(task: asyncio.Task[None] | None) -> None:
 _CONFIG_FIELDS = {f.name for f in msgspec.structs.fields(Config)}
 
 
+def _version() -> str:
+    try:
+        return metadata.version("gpuvisor")
+    except metadata.PackageNotFoundError:
+        return "dev"  # run from a checkout that was never installed
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gpuvisor")
+    ap.add_argument("--version", action="version", version=f"gpuvisor {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     _serve_args(sub)
     service_cli.add_subcommands(sub)

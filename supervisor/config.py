@@ -25,6 +25,7 @@ class ConfigError(Exception):
 
 
 CacheType = Literal["f16", "q8_0", "q4_0"]
+AuthMode = Literal["auto", "on", "off"]
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -94,7 +95,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Worker pool
     preload: list[str] = []
     queue_limit: int = 64
-    n_ctx: int = 4096
+    # Context per request; 0 = automatic: the model's native context, capped
+    # by memory (agent clients send prompts of 20,000 tokens and more).
+    n_ctx: int = 0
     n_gpu_layers: int = -1
     n_threads: int = 0
     handshake_timeout: float = 600.0
@@ -145,6 +148,28 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     trusted_proxies: list[str] = []  # addresses/CIDRs whose X-Forwarded-* are believed
     log_format: str = "text"  # text, kv or json
     access_log: bool = True
+    # "auto": authentication turns on with the first admin token or API key and
+    # stays on: revoking the last database key refuses every protected route
+    # (401) until a key is added, it never serves openly. "on": required even
+    # before any key exists. "off": the explicit switch back to no
+    # authentication (a non-loopback bind also needs allow_unauthenticated).
+    auth: AuthMode = "auto"
+    # Failed authentications a client address (IPv6: its /64) may make per
+    # auth_failure_window seconds; then 429 with Retry-After, and no hashing.
+    auth_failure_limit: int = 10
+    auth_failure_window: float = 60.0
+    # Host names requests may carry besides loopback names and the address we
+    # listen on (DNS rebinding defence); "*.example.org" covers subdomains.
+    trusted_hosts: list[str] = []
+    # Connections (supervisor/proxies.py): seconds a client has to send a
+    # request's headers (from the connection's start or its first byte);
+    # seconds an idle keep-alive connection stays open (longer than a proxy's
+    # own upstream keep-alive, nginx's is 60 s, so the proxy closes first);
+    # open connections per client address (IPv6: per /64), the excess closed
+    # at once. Trusted proxies are exempt from the per-client cap.
+    header_timeout: float = 10.0
+    keepalive_timeout: float = 75.0
+    max_connections_per_client: int = 256
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -155,6 +180,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("max_body_bytes must be >= 1024")
         if self.body_timeout <= 0:
             raise ValueError("body_timeout must be > 0")
+        if self.header_timeout <= 0 or self.keepalive_timeout <= 0:
+            raise ValueError("header_timeout and keepalive_timeout must be > 0")
+        if self.max_connections_per_client < 1:
+            raise ValueError("max_connections_per_client must be at least 1")
+        if self.auth_failure_limit < 1 or self.auth_failure_window <= 0:
+            raise ValueError("auth_failure_limit must be at least 1 and auth_failure_window > 0")
         if not 0 <= self.parallel <= MAX_PARALLEL:
             raise ValueError(f"parallel must be within 0..{MAX_PARALLEL}")
         if self.max_loaded_models < 1:
@@ -165,7 +196,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def model_settings(self, model_id: str) -> ModelSettings:
         """Global defaults overlaid with this model's own defaults."""
-        base = ModelSettings(n_ctx=self.n_ctx, cache_type=self.cache_type, n_gpu_layers=self.n_gpu_layers,
+        base = ModelSettings(n_ctx=self.n_ctx or None, cache_type=self.cache_type, n_gpu_layers=self.n_gpu_layers,
                              draft_ngram=self.draft_ngram, keep_alive=self.keep_alive,
                              parallel=self.parallel)
         own = self.model_defaults.get(model_id)

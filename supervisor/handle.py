@@ -19,14 +19,16 @@ import os
 import signal
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
 import psutil
 
+from supervisor.job_process import child_environ
 from worker import protocol as p
 
 log = logging.getLogger("gpuvisor.worker")
@@ -161,6 +163,12 @@ class WorkerHandle:
         self._codec = p.parent_codec()
         self._stop_requested = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Crash diagnostics: the log's last lines at the last crash or failure,
+        # where the current process's output began, and the signals we sent it
+        # (a signal we sent is not the worker's own crash).
+        self.log_tail: str | None = None
+        self._log_start = 0
+        self._sent_signals: set[int] = set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -224,7 +232,7 @@ class WorkerHandle:
             if self._stop_requested.is_set():
                 break
             if code == EXIT_LOAD_FAILED or self.state is WorkerState.FAILED:
-                self._fail_permanently(self.reason or "the model cannot be loaded")
+                self._fail_permanently(load_failure_reason(self.reason))
                 return
             if self._record_crash(code):
                 return
@@ -238,21 +246,38 @@ class WorkerHandle:
         self.crash_times.append(now)
         while self.crash_times and now - self.crash_times[0] > self.timing.crash_window:
             self.crash_times.popleft()
-        self.reason = self.reason or f"worker exited with code {code}"
+        signalled_by_us = code is not None and -code in self._sent_signals
+        self._sent_signals.clear()
+        self.reason = exit_reason(code, self._phase(), self.reason, signalled_by_us)
         self.cause = self.cause or Cause.EXITED
-        log.warning("worker %s crashed: %s", self.spec.model_id, self.reason)
+        self.log_tail = read_log_tail(self.log_path, self._log_start)
+        log.warning("worker %s: %s (its log: %s)", self.spec.model_id, self.reason, self.log_path)
         self._set_state(WorkerState.CRASHED)
         for pend in list(self.inflight.values()):
-            self._end(pend, WorkerGone("worker_crashed", f"the model worker crashed ({self.reason})"))
+            self._end(pend, WorkerGone("worker_crashed", self.reason if self.reason.startswith("the model worker")
+                                       else f"the model worker crashed ({self.reason})"))
         if len(self.crash_times) < self.timing.crash_limit:
             return False
+        n = len(self.crash_times)
         self._fail_permanently(
-            f"{len(self.crash_times)} crashes within {self.timing.crash_window:.0f}s; "
-            f"last: {self.reason}")
+            f"{n} crash{'' if n == 1 else 'es'} within {self.timing.crash_window:.0f}s; last: {self.reason}")
         return True
+
+    def _phase(self) -> str:
+        """What the worker was doing when it died, for the crash reason."""
+        if self.state is WorkerState.STARTING:
+            return "loading"
+        return "decoding" if self.inflight else "serving"
+
+    @property
+    def log_path(self) -> Path:
+        return worker_log_path(self.log_dir, self.spec.model_id, self.spec.embedding)
 
     def _fail_permanently(self, reason: str) -> None:
         self.reason = reason
+        if self.state is not WorkerState.CRASHED:
+            # A load failure (a crash read it already): the worker's account is in its log.
+            self.log_tail = read_log_tail(self.log_path, self._log_start)
         self._set_state(WorkerState.FAILED)
         self._fail_all("model_failed", reason)
 
@@ -273,6 +298,7 @@ class WorkerHandle:
     async def _run_once(self) -> int | None:
         self.reason = None
         self.cause = None
+        self._log_start = log_size(self.log_path)  # a crash shows only this process's lines
         try:
             reader = await self._spawn()
         except LoadFailed as exc:
@@ -374,8 +400,8 @@ class WorkerHandle:
             args += ["--cache-type", s.cache_type]
         if s.draft_ngram > 0:
             args += ["--draft-ngram", str(s.draft_ngram)]
-        env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
-        log_path = self.log_dir / f"{_safe(s.model_id)}{'.embed' if s.embedding else ''}.log"
+        env = child_environ(os.environ)  # an allowlist: no token reaches a worker
+        log_path = self.log_path
         _rotate(log_path)
         logfile = open(log_path, "ab")
         try:
@@ -463,6 +489,7 @@ class WorkerHandle:
 
     async def _kill(self, sig: int) -> None:
         if self._proc is not None and self._proc.returncode is None:
+            self._sent_signals.add(sig)
             try:
                 os.killpg(self._proc.pid, sig)
             except ProcessLookupError:
@@ -590,3 +617,122 @@ def _rotate(path: Path) -> None:
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+# ------------------------------------------------------------ crash diagnostics
+
+# How much of a worker's log a crash report carries: enough for faulthandler's
+# stack of the crashing thread, small enough to poll (/api/models) every second.
+LOG_TAIL_LINES = 20
+LOG_TAIL_READ_BYTES = 16 << 10
+LOG_TAIL_LINE_CHARS = 300
+# faulthandler's first line; its thread stacks follow and may push it out of the tail.
+FAULT_MARKER = "Fatal Python error"
+
+
+@dataclass(frozen=True)
+class SignalInfo:
+    meaning: str
+    native: bool  # raised by the process's own code, not sent from outside
+    likely: str | None = None
+
+
+_SIGNALS: Mapping[str, SignalInfo] = MappingProxyType({
+    "SIGSEGV": SignalInfo("segmentation fault", True,
+                          "a bug in the engine, or a model file it misreads (the stack is in the log)"),
+    "SIGBUS": SignalInfo("bus error", True,
+                         "the model file shrank or changed on disk while it was mapped, or the disk failed"),
+    "SIGILL": SignalInfo("illegal instruction", True,
+                         "this CPU lacks instructions the engine build needs (e.g. AVX2 or AVX-512): "
+                         "install an engine build made for this CPU"),
+    "SIGFPE": SignalInfo("arithmetic error", True, "a bug in the engine"),
+    "SIGABRT": SignalInfo("aborted", True, "the engine stopped at a failed internal check; the log says which"),
+    "SIGKILL": SignalInfo("killed from outside", False,
+                          "usually the kernel's out-of-memory killer (the kernel log says so); "
+                          "try a smaller context or quantization"),
+    "SIGTERM": SignalInfo("terminated", False, "something outside gpuvisor stopped it"),
+})
+
+LOAD_FAILURE_HINT = ("likely cause: the engine rejects the file (truncated or corrupt, or an architecture "
+                     "or quantization this engine build does not support); it is not restarted")
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def crash_reason(signum: int, phase: str) -> str:
+    """One line for a worker that died of ``signum`` while ``phase`` (loading, decoding, serving)."""
+    name = signal_name(signum)
+    info = _SIGNALS.get(name)
+    if info is None:
+        return f"the model worker crashed: {name} while {phase}"
+    verb, where = ("crashed", " in native code") if info.native else ("was killed", "")
+    text = f"the model worker {verb}: {name} ({info.meaning}){where} while {phase}"
+    return text if info.likely is None else f"{text}; likely cause: {info.likely}"
+
+
+def exit_reason(code: int | None, phase: str, known: str | None, signalled_by_us: bool) -> str:
+    """Why a worker process ended, from its exit status and what the parent saw.
+
+    A signal the parent did not send is the news (it overrides "handshake
+    failed" or "IPC stream broken", which are only its consequences); one the
+    parent sent (a hang, a stalled load) keeps the parent's own reason.
+    """
+    if code is not None and code < 0 and not signalled_by_us:
+        return crash_reason(-code, phase)
+    if code is not None and code > 0:
+        # Only the worker itself exits with a status: its log has the traceback.
+        return f"the model worker exited with code {code} while {phase} (see its log)"
+    return known or f"the model worker exited with code {code} while {phase}"
+
+
+def load_failure_reason(reason: str | None) -> str:
+    return f"{reason or 'the model cannot be loaded'}; {LOAD_FAILURE_HINT}"
+
+
+def worker_log_path(log_dir: Path, model_id: str, embedding: bool) -> Path:
+    """``<log dir>/<model>.log`` (``.embed.log`` for the embedding worker): stdout and stderr."""
+    return log_dir / f"{_safe(model_id)}{'.embed' if embedding else ''}.log"
+
+
+def read_log_tail(path: Path, start: int = 0, lines: int = LOG_TAIL_LINES,
+                  max_bytes: int = LOG_TAIL_READ_BYTES) -> str:
+    """The last ``lines`` lines a worker wrote to its log after byte ``start``
+    (where this process's output began), each cut to LOG_TAIL_LINE_CHARS.
+
+    When faulthandler's "Fatal Python error" line is in the window but above
+    those lines (every thread's stack follows it), it leads the tail: it names
+    the fatal signal. A missing log is an empty tail.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            # Rotated since (smaller than where we began): the whole file is this process's.
+            origin = start if start <= size else 0
+            begin = max(origin, size - max_bytes)
+            f.seek(begin)
+            data = f.read(max_bytes)
+    except FileNotFoundError:
+        return ""
+    all_lines = data.decode("utf-8", errors="replace").splitlines()
+    if begin > origin and all_lines:
+        all_lines = all_lines[1:]  # the window began mid-line
+    all_lines = [ln if len(ln) <= LOG_TAIL_LINE_CHARS else ln[:LOG_TAIL_LINE_CHARS] + "…" for ln in all_lines]
+    tail = all_lines[-lines:] if lines > 0 else []
+    if not any(ln.startswith(FAULT_MARKER) for ln in tail):
+        above = all_lines[:len(all_lines) - len(tail)]
+        fault = next((ln for ln in reversed(above) if ln.startswith(FAULT_MARKER)), None)
+        if fault is not None:
+            tail = [fault, "…", *tail[2:]]  # still `lines` lines in all
+    return "\n".join(tail)
+
+
+def log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0  # not written yet: the next process's output starts at 0

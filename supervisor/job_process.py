@@ -7,6 +7,11 @@ the parent.
 
 The process-group helpers signal a whole group and wait until it is gone;
 members that are zombies (exited, not yet reaped by init) count as gone.
+
+:func:`child_environ` is what a model worker or job inherits of the parent's
+environment: an allowlist, so the admin token (``GPUVISOR_*``), Hugging Face
+and cloud credentials and ``NOTIFY_SOCKET`` stay in the parent;
+:func:`job_environ` hands the Hugging Face token to the download job alone.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import os
 import signal
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +30,55 @@ import psutil
 from jobs.events import JobEvent
 
 _decoder = msgspec.json.Decoder(JobEvent)
+
+# ------------------------------------------------------------------ child environment
+
+CHILD_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
+    "LD_LIBRARY_PATH",  # CUDA / ROCm libraries outside the default search path
+    "XDG_CACHE_HOME",  # kernel and compile caches (engine, torch)
+    "HF_HOME", "HF_ENDPOINT",
+    # Downloads behind a proxy or a private CA (a proxy URL may hold its own login).
+    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+})
+CHILD_ENV_PREFIXES = (
+    "LC_",
+    "CUDA_", "NVIDIA_", "HIP_", "ROCR_", "HSA_",  # device selection and driver knobs
+    "GGML_", "LLAMA_",  # the engine's own settings
+    "OMP_", "MKL_", "OPENBLAS_",  # threading
+    "PYTHON",  # PYTHONPATH and the like: what it takes to run at all
+    "PYTORCH_", "TORCH_",  # fine-tuning
+    "HF_HUB_", "HF_DATASETS_",  # download and cache behaviour (HF_HUB_OFFLINE, HF_HUB_CACHE)
+)
+# Never inherited, whatever the prefix says.
+_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
+HF_TOKEN = "HF_TOKEN"
+# Kinds that talk to the Hugging Face Hub; only they get the token.
+HF_TOKEN_KINDS = frozenset({"download"})
+
+
+def _inherited(name: str) -> bool:
+    if any(word in name.upper() for word in _SECRET_WORDS):
+        return False
+    return name in CHILD_ENV_NAMES or name.startswith(CHILD_ENV_PREFIXES)
+
+
+def child_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The part of ``environ`` a child process may see (see CHILD_ENV_*)."""
+    return {k: v for k, v in environ.items() if _inherited(k)}
+
+
+def job_environ(kind: str, environ: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    """A job's environment: the allowlist, ``extra`` (the runner's settings)
+    and, for a kind that downloads, the token (configured, or the parent's
+    own HF_TOKEN)."""
+    env = child_environ(environ)
+    env.update({k: v for k, v in extra.items() if k != HF_TOKEN})
+    token = extra.get(HF_TOKEN) or environ.get(HF_TOKEN)
+    if kind in HF_TOKEN_KINDS and token:
+        env[HF_TOKEN] = token
+    return env
 
 
 @dataclass

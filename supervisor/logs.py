@@ -1,5 +1,10 @@
 """Structured logs: text, key=value or JSON lines; request ids; secrets redacted.
 
+Every formatter escapes control characters (and Unicode line and bidi
+controls) in what a record carries, so no request field (a path with ``%0A``,
+a header) can forge a log line or drive a terminal; only a traceback keeps
+its own newlines.
+
 Every request gets an id (``X-Request-Id`` from the client when it is sane,
 else a new one). It is returned in the response header, attached to the
 access log line and passed to the model worker with the generation, so one
@@ -28,6 +33,23 @@ _SECRET_SHAPES = re.compile(
     r"(gv_[0-9a-f]{8}_[A-Za-z0-9_\-]+|hf_[A-Za-z0-9]{16,}|(?i:bearer)\s+[A-Za-z0-9._~+/=\-]+)")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 REDACTED = "[redacted]"
+# C0 and C1 controls, DEL, Unicode line/paragraph separators and bidi overrides.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    c = match.group(0)
+    return _SHORT_ESCAPES.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` on one line: each control character as a visible escape."""
+    return _CONTROL.sub(_escape_char, text)
+
+
+def _json_escape(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group(0)):04x}"
 
 
 def incoming_request_id(request: web.BaseRequest) -> str:
@@ -73,9 +95,9 @@ def _exc_text(record: logging.LogRecord, fmt: logging.Formatter) -> str:
 
 def _kv_value(value: Any) -> str:
     text = str(value)
-    if text and not any(c in text for c in ' "=\n\t'):
+    if text and not any(c in text for c in ' "=') and not _CONTROL.search(text):
         return text
-    return json.dumps(text)
+    return json.dumps(text)  # ensure_ascii: every control character escaped
 
 
 class KeyValueFormatter(logging.Formatter):
@@ -97,12 +119,20 @@ class JsonFormatter(logging.Formatter):
         exc = _exc_text(record, self)
         if exc:
             out["exc"] = exc
-        return json.dumps(out, default=str, ensure_ascii=False)
+        # json escapes C0 itself; DEL, C1 and U+2028-style characters are
+        # valid raw in JSON strings (the only place they can be): escape them.
+        return _CONTROL.sub(_json_escape, json.dumps(out, default=str, ensure_ascii=False))
 
 
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # record.message is the formatter's own scratch copy (format() sets it
+        # from getMessage() each time): escaping it changes no other handler.
+        record.message = escape_controls(record.message)
+        return super().formatMessage(record)
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
@@ -128,6 +158,19 @@ def configure(level: str, fmt: str, secret_values: Iterable[str] = ()) -> None:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+# Routes the UI (and monitoring) poll every few seconds: hundreds of lines an
+# hour that say nothing. Their successful reads are logged at DEBUG.
+POLLED_PATHS = ("/healthz", "/readyz", "/metrics", "/api/gpu", "/api/workers")
+POLLED_PREFIXES = ("/api/models", "/api/jobs")
+
+
+def access_level(method: str, path: str, status: int) -> int:
+    """DEBUG for a successful read of a polled route; INFO for changes and errors."""
+    polled = path in POLLED_PATHS or any(path == p or path.startswith(p + "/") for p in POLLED_PREFIXES)
+    quiet = method in ("GET", "HEAD") and status < 400 and polled
+    return logging.DEBUG if quiet else logging.INFO
+
+
 def access_middleware(enabled: bool) -> Middleware:
     """Assigns the request id and writes one access line per request."""
     access = logging.getLogger("gpuvisor.access")
@@ -146,7 +189,8 @@ def access_middleware(enabled: bool) -> Middleware:
             raise
         finally:
             if enabled:
-                access.info("%s %s %d", request.method, request.path, status, extra={
+                access.log(access_level(request.method, request.path, status),
+                           "%s %s %d", request.method, request.path, status, extra={
                     "request_id": request["request_id"], "client": request.remote,
                     "scheme": request.scheme, "host": request.host,
                     "status": status, "key": request.get("auth_name"),

@@ -155,6 +155,13 @@ ROUTES: tuple[Operation, ...] = (
               path_descriptions=_MODEL_ID),
     Operation("POST", "/api/models/{id}/unload", "Unload a model", "models", errors=(404,),
               path_descriptions=_MODEL_ID),
+    Operation("GET", "/api/models/{id}/log", "The tail of a model worker's log (admin only)", "models",
+              params=(
+                  _q("tail", {"type": "integer", "minimum": 1, "maximum": 1 << 20},
+                     "Bytes from the end (default 65536)."),
+                  _q("mode", {"type": "string", "enum": ["generate", "embedding"]},
+                     "Which of the model's workers (default generate)."),
+              ), media=("text/plain",), errors=(400, 403, 404), path_descriptions=_MODEL_ID),
     # ---------------------------------------------------------- service
     Operation("GET", "/healthz", "Liveness, uptime and workers", "service"),
     Operation("GET", "/readyz", "Ready to serve (503 while no worker serves)", "service", errors=(503,)),

@@ -73,6 +73,10 @@ def kv_options(settings: ModelSettings, *, slots: int, embedding: bool) -> KvOpt
                      kv_unified=embedding, n_outputs=1 + (settings.draft_ngram or 0))
 
 
+# The context of a model whose header names none, with n_ctx automatic.
+FALLBACK_CTX = 4096
+
+
 def plan_load(entry: ModelEntry, settings: ModelSettings, *, explicit_ctx: bool, target_ctx: int,
               min_ctx: int, free_bytes: int, memory_kind: str, slots: int = 1,
               embedding: bool = False) -> ContextDecision | None:
@@ -86,14 +90,14 @@ def plan_load(entry: ModelEntry, settings: ModelSettings, *, explicit_ctx: bool,
     if info is None:
         return None
     opts = kv_options(settings, slots=slots, embedding=embedding)
-    native = info.context_length or target_ctx
+    native = info.context_length or target_ctx or FALLBACK_CTX
     requested = settings.n_ctx if explicit_ctx else None
     return choose_context(
         info,
         weight_bytes=entry.size_bytes,
         free_bytes=free_bytes,
         requested=requested,
-        target=min(target_ctx, native) if requested is None else None,
+        target=min(target_ctx or native, native) if requested is None else None,
         floor=min(min_ctx, native),
         opts=opts,
         reserve_bytes=GPU_RUNTIME_RESERVE if memory_kind == "gpu" else 0,

@@ -28,7 +28,7 @@ from supervisor.errors import (
 from supervisor.library import ModelEntry
 from supervisor.memfit import ContextDecision, DoesNotFit
 from supervisor.models_dir import LibrarySource
-from supervisor.placement import measure_free, plan_load
+from supervisor.placement import FALLBACK_CTX, measure_free, plan_load
 from supervisor.handle import (
     NotAccepting,
     Pending,
@@ -158,7 +158,7 @@ class WorkerPool:
         explicit_ctx = explicit_ctx or (own is not None and own.n_ctx is not None)
         parallel = self._parallel(settings)
         decision = await self._fit(entry, settings, explicit_ctx, parallel, embedding)
-        n_ctx = decision.n_ctx if decision is not None else (settings.n_ctx or self.cfg.n_ctx)
+        n_ctx = decision.n_ctx if decision is not None else (settings.n_ctx or self.cfg.n_ctx or FALLBACK_CTX)
         gpu_layers = settings.n_gpu_layers if settings.n_gpu_layers is not None else -1
         if decision is not None:
             gpu_layers = decision.n_gpu_layers  # fewer than asked with partial offload

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 import aiohttp
@@ -13,6 +15,14 @@ import msgspec
 
 from jobs.download_params import parse_pull_spec
 from supervisor.config import Config
+
+DEFAULT_HUB = "https://huggingface.co"
+# How a job's error reads when the Hub could not be reached at all (httpx's
+# connect errors and timeouts, DNS and routing failures, huggingface_hub's own).
+_UNREACHABLE_MARKS = ("ConnectError", "ConnectTimeout", "ReadTimeout", "ConnectionError", "Timeout",
+                      "Name or service not known", "Temporary failure in name resolution",
+                      "Network is unreachable", "No route to host", "LocalEntryNotFoundError",
+                      "OfflineModeIsEnabled")
 
 
 def add_subcommand(sub: Any) -> argparse.ArgumentParser:
@@ -55,26 +65,56 @@ async def _events(http: aiohttp.ClientSession, url: str) -> Any:
                 kind, data = "message", ""
 
 
+def unreachable(url: str, exc: aiohttp.ClientError) -> str:
+    """One line for a service that does not answer (status and pull say the same)."""
+    refused = isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError)
+    why = "connection refused" if refused else str(exc) or type(exc).__name__
+    return (f"gpuvisor is not reachable at {url} ({why}): is it running? "
+            "Start it with `gpuvisor serve`, or pass the --port or --url it listens on")
+
+
+def hub_unreachable_help(cfg: Config, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """What to do when the service cannot reach the Hub: it names the endpoint tried."""
+    endpoint = environ.get("HF_ENDPOINT") or DEFAULT_HUB
+    where = "" if environ.get("HF_ENDPOINT") else " (unless the service's environment sets HF_ENDPOINT)"
+    cache = cfg.hf_cache_dir or "~/.cache/huggingface/hub"
+    return [
+        f"the service could not reach the Hugging Face Hub at {endpoint}{where}. Instead:",
+        f"  - copy a .gguf file into the models directory ({cfg.models_dir}); it is listed within seconds",
+        "  - set HF_ENDPOINT in the service's environment to a Hub mirror it can reach, and pull again",
+        (f"  - use the Hugging Face cache: with hf_cache_dir = \"{cache}\" in the config the models in it "
+         "are listed, and HF_HUB_OFFLINE=1 in the service's environment makes a pull use only the cache"),
+    ]
+
+
 async def pull(args: argparse.Namespace, cfg: Config, url: str, headers: dict[str, str],
                out: TextIO = sys.stderr) -> int:
     params = msgspec.to_builtins(parse_pull_spec(args.spec))
     async with aiohttp.ClientSession(headers=headers) as http:
-        async with http.post(url + "/api/jobs", json={"kind": "download", "params": params}) as resp:
-            body = await resp.json()
-            if resp.status >= 400:
-                print(f"gpuvisor: {body['error']['message']}", file=out)
-                return 1
+        try:
+            async with http.post(url + "/api/jobs", json={"kind": "download", "params": params}) as resp:
+                body = await resp.json()
+        except aiohttp.ClientConnectionError as exc:
+            print(unreachable(url, exc), file=out)
+            return 1
+        if resp.status >= 400:
+            print(f"gpuvisor: {body['error']['message']}", file=out)
+            return 1
         job_id = body["id"]
         print(f"pulling {args.spec} (job {job_id})", file=out)
         try:
-            return await _follow(http, f"{url}/api/jobs/{job_id}/events", out)
+            code, error = await _follow(http, f"{url}/api/jobs/{job_id}/events", out)
+            if error and any(mark in error for mark in _UNREACHABLE_MARKS):
+                print("\n".join(hub_unreachable_help(cfg)), file=out)
+            return code
         except (KeyboardInterrupt, aiohttp.ClientError) as exc:
             await http.post(f"{url}/api/jobs/{job_id}/cancel")
             print(f"\ncancelled ({type(exc).__name__})", file=out)
             return 130
 
 
-async def _follow(http: aiohttp.ClientSession, url: str, out: TextIO) -> int:
+async def _follow(http: aiohttp.ClientSession, url: str, out: TextIO) -> tuple[int, str]:
+    """Render the job's events until it ends: (exit code, the job's error)."""
     async for kind, event in _events(http, url):
         if kind == "progress":
             print("\r" + render_progress(event.get("data", {})), end="", file=out, flush=True)
@@ -85,7 +125,8 @@ async def _follow(http: aiohttp.ClientSession, url: str, out: TextIO) -> int:
             if event["status"] == "succeeded":
                 result = event.get("result") or {}
                 print(f"done: model {result.get('model_id', '?')} is in the library", file=out)
-                return 0
-            print(f"{event['status']}: {event.get('error') or ''}", file=out)
-            return 1
-    return 1
+                return 0, ""
+            error = str(event.get("error") or "")
+            print(f"{event['status']}: {error}", file=out)
+            return 1, error
+    return 1, "the event stream ended before the job did"

@@ -1,7 +1,11 @@
-"""``/api/models``: the library with each model's worker state; load and unload."""
+"""``/api/models``: the library with each model's worker state; load and unload;
+a model worker's log."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -9,7 +13,8 @@ from aiohttp import web
 
 from supervisor.config import ModelSettings
 
-from supervisor.errors import ModelNotFound
+from supervisor.errors import BadRequest, ModelNotFound
+from supervisor.handle import WorkerState, worker_log_path
 from supervisor.keys import LIBRARY, POOL
 from supervisor.library import ModelEntry
 from supervisor.pool import WorkerPool
@@ -44,7 +49,16 @@ def describe_model(entry: ModelEntry, pool: WorkerPool) -> dict[str, Any]:
         "load": None if not status or status["load_progress"] is None else {
             "progress": status["load_progress"]},
         "fit": None if fit is None else msgspec.to_builtins(fit),
+        "log_tail": _log_tail(pool, entry.id),
     }
+
+
+def _log_tail(pool: WorkerPool, model_id: str) -> str | None:
+    """The worker log's last lines, kept from its last crash, while it is crashed or failed."""
+    handle = pool.handles.get((model_id, False)) or pool.handles.get((model_id, True))
+    if handle is None or handle.state not in (WorkerState.CRASHED, WorkerState.FAILED):
+        return None
+    return handle.log_tail
 
 
 def _entry(request: web.Request) -> ModelEntry:
@@ -81,10 +95,43 @@ async def unload_model(request: web.Request) -> web.Response:
     return json_response(describe_model(entry, pool))
 
 
+LOG_TAIL_DEFAULT_BYTES = 64 << 10
+LOG_TAIL_MAX_BYTES = 1 << 20
+
+
+async def model_log(request: web.Request) -> web.Response:
+    """The end of a model worker's log (stdout and stderr; admin only, see auth)."""
+    entry = _entry(request)
+    mode = request.query.get("mode", "generate")
+    if mode not in ("generate", "embedding"):
+        raise BadRequest("mode must be generate or embedding", param="mode")
+    raw = request.query.get("tail", str(LOG_TAIL_DEFAULT_BYTES))
+    if not raw.isdigit() or not 0 < int(raw) <= LOG_TAIL_MAX_BYTES:
+        raise BadRequest(f"tail must be a byte count within 1..{LOG_TAIL_MAX_BYTES}", param="tail")
+    path = worker_log_path(request.app[POOL].log_dir, entry.id, mode == "embedding")
+    data = await asyncio.to_thread(_read_end, path, int(raw))
+    return web.Response(body=data, content_type="text/plain", charset="utf-8")
+
+
+def _read_end(path: Path, max_bytes: int) -> bytes:
+    """The last ``max_bytes`` of a file from a line start; nothing when it was never written."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - max_bytes))
+            data = f.read(max_bytes)
+    except FileNotFoundError:
+        return b""
+    if size > max_bytes and b"\n" in data:
+        data = data[data.index(b"\n") + 1:]
+    return data
+
+
 def add_routes(app: web.Application) -> None:
     # Model ids may contain '/' (sub-directories, Hub repos), so the verbs
     # are matched first and the plain GET takes the whole rest of the path.
     app.router.add_get("/api/models", list_models)
     app.router.add_post("/api/models/{id:.+}/load", load_model)
     app.router.add_post("/api/models/{id:.+}/unload", unload_model)
+    app.router.add_get("/api/models/{id:.+}/log", model_log)
     app.router.add_get("/api/models/{id:.+}", get_model)

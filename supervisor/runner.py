@@ -39,6 +39,7 @@ from supervisor.errors import ApiError, BadRequest, StorageFull
 from supervisor.job_process import (
     EventFramer,
     describe_exit,
+    job_environ,
     kill_group,
     log_tail,
     signal_group,
@@ -344,9 +345,9 @@ class JobRunner:
         await self._end_unstarted(active, error)
         return False
 
-    def _env(self, devices: list[str]) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
-        env.update(self.settings.extra_env)
+    def _env(self, kind: str, devices: list[str]) -> dict[str, str]:
+        # An allowlist of ours; the HF token only for the kinds that download.
+        env = job_environ(kind, os.environ, self.settings.extra_env)
         root = str(Path(jobs.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         if any(self.lease.device(d).index is not None for d in self.lease.devices):
@@ -376,7 +377,7 @@ class JobRunner:
                     stdout=asyncio.subprocess.PIPE,
                     stderr=log_file,
                     start_new_session=True,
-                    env=self._env(devices),
+                    env=self._env(job.kind, devices),
                 )
         except OSError as exc:
             await self._finish(active, "failed", error=f"could not start the job process: {exc}")

@@ -43,9 +43,14 @@ def add_subcommands(sub: Any) -> None:
     inst.add_argument("--root", default="/", help="install under this root (for packaging)")
     inst.add_argument("--exec", dest="exec_path", help="the gpuvisor executable (default: this one)")
     inst.add_argument("--user", default="gpuvisor", help="service user (created if missing)")
+    # The same settings as serve, so that a service started with flags is
+    # found with the same flags (or the same config file and environment).
     for sp in (st, pl, inst, *keys.choices.values()):
         sp.add_argument("--state-dir", help="state directory (GPUVISOR_STATE_DIR)")
         sp.add_argument("--config", help="TOML config file (GPUVISOR_CONFIG)")
+    for sp in (st, pl):
+        sp.add_argument("--host", help="the service's address (GPUVISOR_HOST)")
+        sp.add_argument("--port", type=int, help="the service's port (GPUVISOR_PORT)")
 
 
 def check_settings(cfg: Config) -> None:
@@ -132,6 +137,8 @@ async def _keys(args: argparse.Namespace, cfg: Config) -> int:
         else:
             rows = [(r.id, r.name, "database", r.created_at) for r in await store.active()]
             rows += [(r.id, r.name, "config", None) for r in parse_config_keys(cfg.api_keys).values()]
+            if not rows:
+                print(f"no keys (in {cfg.db_path} or the config); add one with: gpuvisor keys add NAME")
             for key_id, name, source, created in rows:
                 when = time.strftime("%Y-%m-%d %H:%M", time.localtime(created)) if created else "-"
                 print(f"{key_id}  {name:<24} {source:<8} {when}")
@@ -143,10 +150,15 @@ async def _keys(args: argparse.Namespace, cfg: Config) -> int:
 # ---------------------------------------------------------------- status
 
 
+def local_url(host: str, port: int) -> str:
+    """The service's base URL as seen from this machine (a wildcard bind is reached on loopback)."""
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
 def endpoint(args: argparse.Namespace, cfg: Config) -> tuple[str, dict[str, str]]:
     """The running service's URL and auth header, from flags, env or config."""
-    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
-    url = (args.url or f"http://{'[' + host + ']' if ':' in host else host}:{cfg.port}").rstrip("/")
+    url = (args.url or local_url(cfg.host, cfg.port)).rstrip("/")
     token = args.token or os.environ.get("GPUVISOR_TOKEN") or (
         cfg.admin_token if not cfg.admin_token.startswith("scrypt$") else "")
     return url, ({"Authorization": f"Bearer {token}"} if token else {})
@@ -160,8 +172,11 @@ async def _status(args: argparse.Namespace, cfg: Config) -> int:
             health = await _get(http, url + "/healthz")
             gpu = await _get(http, url + "/api/gpu")
             jobs = await _get(http, url + "/api/jobs?status=running,queued&limit=20")
+        except aiohttp.ClientConnectionError as exc:
+            print(pull.unreachable(url, exc), file=sys.stderr)
+            return 1
         except aiohttp.ClientError as exc:
-            print(f"gpuvisor is not reachable at {url}: {exc}", file=sys.stderr)
+            print(f"gpuvisor at {url} refused: {exc}", file=sys.stderr)
             return 1
     print(f"gpuvisor at {url}: {health.get('status')}, up {_ago(health.get('uptime_s', 0))}")
     workers = health.get("workers", [])

@@ -302,12 +302,12 @@ def test_a_body_that_never_finishes_does_not_block_others(fuzz_server: Server) -
     try:
         for _ in range(20):
             s = _raw_connection(fuzz_server)
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 100000\r\n\r\n{\"model\": \"tiny\", ")
             stalled.append(s)
         # Slowloris on the headers, too.
         s = _raw_connection(fuzz_server)
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
         stalled.append(s)
         t0 = time.monotonic()
         _alive(fuzz_server)
@@ -334,7 +334,7 @@ def test_header_floods(fuzz_server: Server) -> None:
     with _raw_connection(fuzz_server) as s:
         lines = b"".join(b"X-%d: %s\r\n" % (i, b"z" * 100) for i in range(10_000))
         try:
-            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + lines + b"\r\n")
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + lines + b"\r\n")
             head = s.recv(200)
         except (BrokenPipeError, ConnectionResetError):
             head = b""
@@ -481,7 +481,7 @@ def test_a_stalled_body_gets_408_and_the_connection_closes(
     srv = start_server(models, env={"GPUVISOR_BODY_TIMEOUT": "1"})
     with _raw_connection(srv) as s:
         t0 = time.monotonic()
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100000\r\n\r\n{\"model\": \"tiny\", ")
         received = b""
         while chunk := s.recv(65536):  # ends when the server closes the connection

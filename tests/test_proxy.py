@@ -78,8 +78,9 @@ def test_forwarded_headers_only_from_the_trusted_proxy(nginx: str, backend: Serv
     spoof = {"X-Forwarded-For": "203.0.113.7", "X-Forwarded-Host": "evil.example",
              "X-Forwarded-Proto": "https"}
     with _client() as http:
-        via = http.get(nginx + "/healthz", headers={"Host": "gpu.example.org", **spoof})
-        direct = http.get(backend.base_url + "/healthz", headers=spoof)
+        # /v1/models, not the polled /healthz: its access line is at INFO.
+        via = http.get(nginx + "/v1/models", headers={"Host": "gpu.example.org", **spoof})
+        direct = http.get(backend.base_url + "/v1/models", headers=spoof)
     seen = _access(backend, via.headers["X-Request-Id"])
     # Through nginx: the real client (the forged left entry is skipped),
     # the public host and scheme.

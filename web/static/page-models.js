@@ -8,6 +8,8 @@ import { poll } from './poll.js';
 import { FIELD_HINTS, PRIORITY_FIELD, jobKinds } from './schema.js';
 
 const LOADED = new Set(['starting', 'ready', 'draining']);
+// A worker that died: its reason and the last lines of its log are shown.
+const BROKEN = new Set(['crashed', 'failed']);
 // Options of POST /api/models/{id}/load, as a schema for the same form code.
 const LOAD_SCHEMA = {
   type: 'object',
@@ -85,6 +87,19 @@ export function mount(root) {
     poller.now();
   }
 
+  // Why the worker died, the end of its log, the whole log, and how to recover.
+  function failure(m) {
+    const restarting = m.state === 'crashed';
+    return h('tr', { class: 'model-failure', dataset: { failedModel: m.id } }, h('td', { colspan: 8 },
+      h('div', { class: 'notice error', role: 'status' },
+        h('p', { class: 'failure-reason' }, h('strong', { text: restarting ? 'Crashed, restarting: ' : 'Failed: ' }), m.reason || 'no reason given'),
+        m.log_tail ? h('pre', { class: 'log', tabindex: 0, 'aria-label': `Last lines of the ${m.id} worker log`, text: m.log_tail }) : null,
+        h('p', { class: 'small' },
+          h('a', { class: 'worker-log', href: `api/models/${modelPath(m.id)}/log`, target: '_blank', rel: 'noopener', text: 'Open the worker log' }),
+          restarting ? ' · it restarts by itself' : ' · fix the cause, then ',
+          restarting ? null : h('button', { class: 'secondary small', type: 'button', text: 'Load again', onclick: () => act(m, 'load') })))));
+  }
+
   function row(m) {
     const loaded = LOADED.has(m.state);
     const optsId = safeId('opts', m.id);
@@ -97,7 +112,7 @@ export function mount(root) {
       ? h('button', { class: 'secondary small', type: 'button', text: 'Unload', onclick: () => act(m, 'unload') })
       : toggle;
     const err = rowErrors.get(m.id);
-    const rows = [h('tr', { dataset: { model: m.id } },
+    const rows = [h('tr', { dataset: { model: m.id }, class: BROKEN.has(m.state) ? 'has-failure' : null },
       h('td', {}, h('code', { text: m.id }), m.reason && !m.usable ? h('p', { class: 'small muted', text: m.reason }) : null),
       h('td', { text: formatBytes(m.size_bytes) }),
       h('td', { text: m.quantization || '—' }),
@@ -107,6 +122,7 @@ export function mount(root) {
       h('td', {}, badge(m.state), m.load ? progressBar(m.load.progress, `loading ${m.id}`) : null,
         loaded ? h('p', { class: 'small muted', text: keepAliveText(m) }) : null),
       h('td', { class: 'actions-cell' }, actions))];
+    if (BROKEN.has(m.state)) rows.push(failure(m));
     if (err) rows.push(h('tr', { class: 'row-error' }, h('td', { colspan: 8 }, errorBox(err))));
     if (openLoad === m.id && !loaded) {
       rows.push(h('tr', { class: 'load-options', id: optsId }, h('td', { colspan: 8 }, loadForm(m).el)));

@@ -17,10 +17,27 @@ function card(title, body, extra = null) {
   return h('section', { class: 'card', 'aria-label': title }, h('div', { class: 'card-head' }, h('h2', { text: title }), extra), body);
 }
 
-function serviceCard(health, version) {
+function plural(n, word) {
+  return `${n} ${word}${n === 1 ? '' : 's'}`;
+}
+
+// /healthz says the service is up; a failed or crash-looping model is still
+// something to fix, so the status says so instead of "ok".
+export function serviceStatus(health, models) {
+  const failed = (models || []).filter((m) => m.state === 'failed').length;
+  const crashed = (models || []).filter((m) => m.state === 'crashed').length;
+  if (health.status !== 'ok') return { state: 'failed', text: health.status };
+  if (failed) return { state: 'failed', text: `${plural(failed, 'model')} failed` };
+  if (crashed) return { state: 'crashed', text: `${plural(crashed, 'model')} restarting after a crash` };
+  return { state: 'ready', text: 'ok' };
+}
+
+function serviceCard(health, version, models) {
   if (!health) return card('Service', h('p', { class: 'muted', text: 'Loading…' }));
+  const status = serviceStatus(health, models);
   return card('Service', h('dl', { class: 'facts' },
-    h('dt', { text: 'Status' }), h('dd', {}, badge(health.status === 'ok' ? 'ready' : 'failed', health.status)),
+    h('dt', { text: 'Status' }), h('dd', {}, badge(status.state, status.text),
+      status.state !== 'ready' && models?.length ? [' ', h('a', { href: '#/models', class: 'small service-problem', text: 'see Models' })] : null),
     h('dt', { text: 'Version' }), h('dd', { text: version || '—' }),
     h('dt', { text: 'Uptime' }), h('dd', { class: 'uptime', text: formatDuration(health.uptime_s) }),
     h('dt', { text: 'Workers' }), h('dd', { text: String(health.workers?.length ?? 0) })));
@@ -57,7 +74,8 @@ function modelsCard(models) {
   if (!active.length) return card('Loaded models', h('p', { class: 'empty', text: 'No model is loaded. Models load on first use, or from the Models page.' }), link);
   const rows = active.map((m) => h('tr', {},
     h('td', {}, h('code', { text: m.id })),
-    h('td', {}, badge(m.state), m.load ? progressBar(m.load.progress, `loading ${m.id}`) : null),
+    h('td', {}, badge(m.state), m.load ? progressBar(m.load.progress, `loading ${m.id}`) : null,
+      (m.state === 'failed' || m.state === 'crashed') && m.reason ? h('p', { class: 'small model-reason', text: m.reason }) : null),
     h('td', { text: m.fit ? formatBytes(m.fit.needed_bytes) : formatBytes(m.size_bytes) }),
     h('td', { text: m.worker?.n_ctx ? String(m.worker.n_ctx) : '—' }),
     h('td', { class: 'keepalive', dataset: { expires: m.keep_alive_expires_at ?? '', state: m.state }, text: keepAliveText(m) }),
@@ -87,7 +105,7 @@ export function mount(root) {
   const state = { health: null, gpu: null, models: null, jobs: null };
 
   function render() {
-    replace(grid, serviceCard(state.health, version), gpuCard(state.gpu), modelsCard(state.models), jobsCard(state.jobs));
+    replace(grid, serviceCard(state.health, version, state.models), gpuCard(state.gpu), modelsCard(state.models), jobsCard(state.jobs));
   }
   render();
 
