@@ -16,38 +16,21 @@ from typing import Any
 
 import xllamacpp
 
-# Prompt tokens per engine step, as in the worker: the engine reports prefill
-# progress once per step, and only then can a cancel be seen.
-PREFILL_BATCH = 512
+from worker.engine import PREFILL_BATCH, EngineOptions
+from worker.engine import engine_params as worker_engine_params
+
+__all__ = ["PREFILL_BATCH", "engine_params"]
 
 
 def engine_params(model: Path, *, parallel: int, n_ctx: int, threads: int, sock: Path,
                   quiet: bool = True) -> xllamacpp.CommonParams:
-    """The worker's engine settings, so both sides of a comparison run the same engine."""
-    p = xllamacpp.CommonParams()
-    p.model.path = str(model)
-    p.n_parallel = max(1, parallel)
-    # n_ctx is per slot, as in the worker: the engine splits its n_ctx among slots.
-    p.n_ctx = n_ctx * max(1, parallel)
-    p.kv_unified = False
-    p.fit_params = False
-    p.swa_full = False
-    p.ctx_shift = False
-    p.n_batch = PREFILL_BATCH
-    p.n_ubatch = PREFILL_BATCH
-    p.warmup = False
-    p.n_threads_http = 2
-    p.use_jinja = False
-    p.chat_template = "chatml"
-    if threads > 0:
-        p.cpuparams.n_threads = threads
-        p.cpuparams_batch.n_threads = threads
+    """The worker's own engine settings, so both sides of a comparison run the same engine."""
+    p = worker_engine_params(EngineOptions(str(model), n_ctx, -1, threads, False, parallel=parallel,
+                                           engine_socket=str(sock)))
     if quiet:
         # A few log lines per request: nothing a run measures, but they would
         # bury the benchmark's own output.
         p.verbosity = -1
-    # Its HTTP listener on a private Unix socket, never on TCP.
-    p.hostnames = [str(sock)]
     return p
 
 

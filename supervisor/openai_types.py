@@ -12,7 +12,15 @@ import msgspec
 
 from supervisor.config import parse_duration
 from supervisor.errors import BadRequest
-from supervisor.responses.models import FunctionTool, NamedFunction, ToolChoice
+from supervisor.responses.logprobs import MAX_TOP_LOGPROBS
+from supervisor.responses.models import Effort
+from supervisor.responses.tools import (
+    AllowedTools,
+    FunctionTool,
+    NamedFunction,
+    Offer,
+    resolve,
+)
 from worker.protocol import ChatMessage, SamplingParams
 
 # Choices per request (``n``): each is its own generation, one after another.
@@ -65,6 +73,24 @@ class ChatFunctionName(msgspec.Struct):
 
 class ChatNamedTool(msgspec.Struct, tag="function", tag_field="type"):
     function: ChatFunctionName
+
+
+class ChatAllowedTools(msgspec.Struct, kw_only=True):
+    mode: Literal["auto", "required"]
+    # Entries in the chat form, {"type": "function", "function": {"name": ...}}.
+    tools: list[dict[str, Any]]
+
+
+class ChatAllowedToolChoice(msgspec.Struct, tag="allowed_tools", tag_field="type"):
+    allowed_tools: ChatAllowedTools
+
+
+def _flat_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """A chat allowed-tools entry in the Responses API's flat form."""
+    fn = entry.get("function")
+    if entry.get("type") == "function" and isinstance(fn, dict):
+        return {"type": "function", "name": fn.get("name")}
+    return entry
 
 
 class StreamOptions(msgspec.Struct):
@@ -157,8 +183,12 @@ class ChatRequest(Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[ChatTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ChatNamedTool | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatNamedTool | ChatAllowedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Passed to the template as the Responses API's reasoning.effort is.
+    reasoning_effort: Effort | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     def chat_messages(self) -> list[ChatMessage]:
         if not self.messages:
@@ -178,17 +208,20 @@ class ChatRequest(Sampling, kw_only=True):
                                       parameters=fn.parameters, strict=fn.strict))
         return tools
 
-    def checked_tool_choice(self, names: list[str]) -> ToolChoice:
-        """``tool_choice`` checked against the tool ``names``; unset means "auto"."""
+    def tool_offer(self) -> Offer:
+        """The functions offered under ``tool_choice`` (unset means "auto")."""
+        tools = self.function_tools()
         choice = self.tool_choice
         if isinstance(choice, ChatNamedTool):
-            if choice.function.name not in names:
+            if choice.function.name not in {t.name for t in tools}:
                 raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not in tools",
                                  param="tool_choice.function.name")
-            return NamedFunction(choice.function.name)
-        if choice == "required" and not names:
-            raise BadRequest("tool_choice 'required' needs at least one tool", param="tool_choice")
-        return choice or "auto"
+            return Offer(tools, NamedFunction(choice.function.name))
+        if isinstance(choice, ChatAllowedToolChoice):
+            allowed = AllowedTools(mode=choice.allowed_tools.mode,
+                                   tools=[_flat_entry(e) for e in choice.allowed_tools.tools])
+            return resolve(tools, allowed, param="tool_choice.allowed_tools")
+        return resolve(tools, choice or "auto")
 
     @property
     def parallel_calls(self) -> bool:
@@ -204,6 +237,10 @@ class ChatRequest(Sampling, kw_only=True):
                 raise BadRequest("response_format.json_schema is required for type json_schema",
                                  param="response_format.json_schema")
             params.json_schema = msgspec.json.encode(fmt.json_schema.schema).decode()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.logprobs:
+            params.logprobs = self.top_logprobs or 0
         return params
 
 

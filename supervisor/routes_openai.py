@@ -15,6 +15,7 @@ import struct
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -26,10 +27,11 @@ from supervisor.keys import CONFIG, POOL
 from supervisor.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
 from supervisor.pool import Generation, WorkerPool
 from supervisor.responses.items import new_id
+from supervisor.responses.logprobs import LogprobEntry, TextLogprobs, chat_logprobs
 from supervisor.responses.parse import Piece, Reasoning, StreamParser, Text, ToolCall
 from supervisor.responses.profile import profile_for
 from supervisor.responses.runner import Plan, tool_plan
-from worker.protocol import Delta, Done, SamplingParams
+from worker.protocol import Delta, Done, SamplingParams, TokenLogprob
 
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 
@@ -64,16 +66,19 @@ def _finish_reason(done: Done, called: bool) -> str:
 
 
 def tool_call(call: ToolCall, call_id: str) -> dict[str, Any]:
-    """A parsed call in the chat-completions shape."""
+    """A parsed call in the chat-completions shape (one the output ended
+    inside has the arguments written so far, as OpenAI sends it)."""
     return {"id": call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def chat_message(pieces: list[Piece]) -> dict[str, Any]:
-    """The assistant message of a whole reply; content is null beside calls and no text."""
+def chat_message(pieces: list[Piece], forced_call: bool = False) -> dict[str, Any]:
+    """The assistant message of a whole reply; content is null beside calls
+    and no text, and always under a forced call (as its streamed first chunk says)."""
     text = "".join(p.text for p in pieces if isinstance(p, Text))
     reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
     calls = [tool_call(p, new_id("call")) for p in pieces if isinstance(p, ToolCall)]
-    message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": text if text or not (calls or forced_call) else None}
     if reasoning:
         message["reasoning_content"] = reasoning
     if calls:
@@ -91,28 +96,38 @@ def chat_delta(piece: Piece, call_index: int) -> dict[str, Any]:
     return {"content": piece.text}
 
 
+# Pieces of a reply and the logprobs of their text (None when not asked for).
+Pieces = tuple[list[Piece], list[LogprobEntry] | None]
+
+
 class Reply:
     """Model text -> pieces: parsed when the plan calls for it, else passed through."""
 
-    def __init__(self, parser: StreamParser | None = None, forced_call: bool = False) -> None:
+    def __init__(self, parser: StreamParser | None = None, forced_call: bool = False,
+                 logprobs: bool = False) -> None:
         self._parser = parser
         self.forced_call = forced_call
         self.reasoning_tokens = 0
+        self._logprobs = TextLogprobs() if logprobs else None
 
     @classmethod
     def of(cls, plan: Plan) -> Reply:
         parses = bool(plan.tool_names) or plan.profile.thinks
-        return cls(plan.parser() if parses else None, forced_call=plan.params.grammar is not None)
+        return cls(plan.parser() if parses else None, forced_call=plan.forced_call,
+                   logprobs=plan.params.logprobs is not None)
 
-    def feed(self, delta: Delta) -> list[Piece]:
+    def _with_logprobs(self, pieces: list[Piece], tokens: list[TokenLogprob] | None) -> Pieces:
+        return pieces, self._logprobs.take(tokens, pieces) if self._logprobs is not None else None
+
+    def feed(self, delta: Delta) -> Pieces:
         if self._parser is None:
-            return [Text(delta.text)]
+            return self._with_logprobs([Text(delta.text)], delta.logprobs)
         if self._parser.in_reasoning:
             self.reasoning_tokens += delta.n_tokens
-        return self._parser.feed(delta.text)
+        return self._with_logprobs(self._parser.feed(delta.text), delta.logprobs)
 
-    def finish(self) -> list[Piece]:
-        return self._parser.finish() if self._parser is not None else []
+    def finish(self) -> Pieces:
+        return self._with_logprobs(self._parser.finish() if self._parser is not None else [], None)
 
     def blamed(self, exc: BadRequest) -> BadRequest:
         """The pool blames a bad grammar on response_format; a forced call's is tool_choice's."""
@@ -135,22 +150,25 @@ class _Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def whole(self, replies: list[tuple[list[Piece], Done]], reasoning_tokens: int = 0) -> dict[str, Any]:
+    def whole(self, replies: list[Collected], reasoning_tokens: int = 0) -> dict[str, Any]:
         choices = []
-        for index, (pieces, done) in enumerate(replies):
+        for index, reply in enumerate(replies):
+            pieces, done = reply.pieces, reply.done
             if self.chat:
-                message = chat_message(pieces)
+                message = chat_message(pieces, reply.forced_call)
+                logprobs = chat_logprobs(reply.logprobs) if reply.logprobs is not None else None
                 choices.append({"index": index, "message": message,
-                                "finish_reason": _finish_reason(done, "tool_calls" in message), "logprobs": None})
+                                "finish_reason": _finish_reason(done, "tool_calls" in message), "logprobs": logprobs})
             else:
                 text = "".join(p.text for p in pieces if isinstance(p, Text))
                 choices.append({"index": index, "text": text, "finish_reason": _FINISH[done.finish_reason],
                                 "logprobs": None})
         body = self._wrap("chat.completion" if self.chat else "text_completion", choices)
-        body["usage"] = _usage([done for _, done in replies], reasoning_tokens)
+        body["usage"] = _usage([reply.done for reply in replies], reasoning_tokens)
         return body
 
-    def chunk(self, index: int, piece: Piece | None, finish: str | None = None, first: bool = False) -> dict[str, Any]:
+    def chunk(self, index: int, piece: Piece | None, finish: str | None = None, first: bool = False,
+              logprobs: list[LogprobEntry] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {}
             if first:
@@ -160,7 +178,8 @@ class _Shape:
                 delta.update(chat_delta(piece, calls))
                 if isinstance(piece, ToolCall):
                     self.calls[index] = calls + 1
-            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": finish,
+                      "logprobs": chat_logprobs(logprobs) if logprobs else None}
             return self._wrap("chat.completion.chunk", [choice])
         text = piece.text if isinstance(piece, Text) else ""
         return self._wrap("text_completion",
@@ -173,6 +192,16 @@ class _Shape:
         body = self._wrap("chat.completion.chunk" if self.chat else "text_completion", [])
         body["usage"] = _usage(dones, reasoning_tokens)
         return body
+
+
+@dataclass
+class Collected:
+    """One choice's whole reply."""
+
+    pieces: list[Piece]
+    done: Done
+    logprobs: list[LogprobEntry] | None = None
+    forced_call: bool = False
 
 
 class _Choice:
@@ -190,13 +219,17 @@ class _Choice:
         except BadRequest as exc:
             raise self.reply.blamed(exc) from exc
 
-    async def collect(self) -> tuple[list[Piece], Done]:
+    async def collect(self) -> Collected:
         pieces: list[Piece] = []
+        logprobs: list[LogprobEntry] | None = None
         while True:
             ev = await self.next()
+            more, tokens = self.reply.finish() if isinstance(ev, Done) else self.reply.feed(ev)
+            pieces += more
+            if tokens is not None:
+                logprobs = [*(logprobs or []), *tokens]
             if isinstance(ev, Done):
-                return pieces + self.reply.finish(), ev
-            pieces += self.reply.feed(ev)
+                return Collected(pieces, ev, logprobs, self.reply.forced_call)
 
 
 async def _admit(stack: AsyncExitStack, pool: WorkerPool, model: str, reply: Callable[[], Reply],
@@ -245,11 +278,9 @@ async def _stream(request: web.Request, shape: _Shape, choices: list[_Choice],
                 # A forced call has no text: its content stays null, as in a whole reply.
                 await sse.data(shape.chunk(index, None if choice.reply.forced_call else Text(""), first=True))
             while not isinstance(ev, Done):
-                for piece in choice.reply.feed(ev):
-                    await sse.data(shape.chunk(index, piece))
+                await _send(sse, shape, index, choice.reply.feed(ev))
                 ev = await choice.next()
-            for piece in choice.reply.finish():
-                await sse.data(shape.chunk(index, piece))
+            await _send(sse, shape, index, choice.reply.finish())
             await sse.data(shape.final_chunk(index, ev))
             dones.append(ev)
         if include_usage:
@@ -262,13 +293,23 @@ async def _stream(request: web.Request, shape: _Shape, choices: list[_Choice],
     return sse.response
 
 
+async def _send(sse: SseWriter, shape: _Shape, index: int, pieces: Pieces) -> None:
+    """A chunk per piece; the logprobs of their text go with the first text piece."""
+    parts, logprobs = pieces
+    for piece in parts:
+        tokens = logprobs if isinstance(piece, Text) else None
+        if tokens is not None:
+            logprobs = None
+        await sse.data(shape.chunk(index, piece, logprobs=tokens))
+
+
 async def _reply(request: web.Request, shape: _Shape, choices: list[_Choice], stream: bool,
                  include_usage: bool, echo: str | None = None) -> web.StreamResponse:
     if stream:
         return await _stream(request, shape, choices, include_usage)
     replies = [await choice.collect() for choice in choices]
     if echo is not None:
-        replies = [([Text(echo), *pieces], done) for pieces, done in replies]
+        replies = [Collected([Text(echo), *r.pieces], r.done, r.logprobs, r.forced_call) for r in replies]
     return json_response(shape.whole(replies, sum(c.reply.reasoning_tokens for c in choices)))
 
 
@@ -277,13 +318,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = req.chat_messages()
     params = req.chat_sampling()
     keep_alive = req.keep_alive_s()
-    tools = req.function_tools()
-    choice = req.checked_tool_choice([t.name for t in tools])
+    offer = req.tool_offer()
     pool = request.app[POOL]
     # The template decides the tool-call format and whether the model thinks.
     facts = await pool.facts(req.model)
-    plan = tool_plan(messages, params, profile_for(facts.chat_template),
-                     tools=tools, choice=choice, parallel=req.parallel_calls)
+    profile = profile_for(facts.chat_template)
+    plan = tool_plan(messages, params, profile, tools=offer.functions, choice=offer.choice,
+                     parallel=req.parallel_calls, template_vars=profile.template_vars(req.reasoning_effort))
     async with AsyncExitStack() as stack:
         choices = await _admit(stack, pool, req.model, lambda: Reply.of(plan), _choice_params(plan.params, req.n),
                                messages=plan.messages, tools=plan.tools, template_vars=plan.template_vars,

@@ -359,9 +359,9 @@ def test_harmony_edge_cases(step: int) -> None:
     # Text that ignores the format is an answer; a cut header is dropped.
     assert parse(oss, "Just words <b>.", step) == [Text("Just words <b>.")]
     assert parse(oss, "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|chan", step) == [Reasoning("hmm")]
-    # Arguments cut by the token limit are no call.
+    # Arguments cut by the token limit are an incomplete call, never text.
     cut = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Os'
-    assert not any(isinstance(p, ToolCall) for p in parse(oss, cut, step))
+    assert parse(oss, cut, step) == [ToolCall("get_weather", '{"city": "Os', complete=False)]
 
 
 def test_deepseek_variants() -> None:

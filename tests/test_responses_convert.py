@@ -93,11 +93,11 @@ def test_bad_items_name_the_field(raw: list[object], param: str) -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "x", "tools": [{"type": "custom", "name": "patch"}]}, "tools[0].type"),
         ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format"),
         ({"input": "x", "tool_choice": "sometimes"}, "tool_choice"),
-        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": "x", "truncation": "sometimes"}, "truncation"),
         ({"input": "x", "temperature": 3}, "temperature"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "reasoning": {"effort": "huge"}}, "reasoning.effort"),

@@ -221,7 +221,7 @@ def test_get_delete_and_input_items(server: Server, client: openai.OpenAI) -> No
         ({"input": [{"type": "mystery"}]}, "input[0].type"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
-        ({"input": "x", "tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
+        ({"input": "x", "tools": [{"type": "custom", "name": "patch"}]}, "tools[0].type"),
     ],
 )
 def test_malformed_requests_name_the_field(server: Server, client: openai.OpenAI, body: dict[str, Any],

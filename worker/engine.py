@@ -93,7 +93,7 @@ class Counters:
                 self.requests_done += 1
 
 
-def _params(opts: EngineOptions) -> xllamacpp.CommonParams:
+def engine_params(opts: EngineOptions) -> xllamacpp.CommonParams:
     p = xllamacpp.CommonParams()
     p.model.path = opts.model_path
     parallel = max(1, opts.parallel)
@@ -258,7 +258,7 @@ class Engine:
         # A stale socket file makes the engine's listener fail to bind.
         sock.unlink(missing_ok=True)
         try:
-            self.server = xllamacpp.Server(_params(opts))
+            self.server = xllamacpp.Server(engine_params(opts))
         except (RuntimeError, ValueError, OSError) as exc:
             raise LoadError(f"cannot load {opts.model_path}: {exc}") from exc
         self.http = UnixJSONClient(sock)

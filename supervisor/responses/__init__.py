@@ -2,10 +2,15 @@
 
 Wiring, in the app factory::
 
-    MIGRATIONS = [JOBS_SCHEMA, responses.RESPONSES_SCHEMA]   # append only
+    MIGRATIONS = [JOBS_SCHEMA, responses.RESPONSES_SCHEMA, ...,
+                  responses.RESPONSE_EVENTS_SCHEMA]          # append only
     ...
     app.cleanup_ctx.extend([db_ctx, ..., ctx_that_sets_POOL])
     responses.setup(app, retention_s=..., keepalive_s=...)    # after those
+
+``RESPONSE_EVENTS_SCHEMA`` (the events of background responses) is also
+applied by the store at start, idempotently, so a database whose migration
+list does not carry it yet still gets the table.
 
 ``setup`` adds the routes, the ``RESPONSES`` state and a cleanup context that
 starts after the database and the pool and stops (cancelling background
@@ -23,9 +28,9 @@ from supervisor.responses.background import (
 from supervisor.responses.lifecycle import RESPONSES, ResponsesApi
 from supervisor.responses.routes import add_routes
 from supervisor.responses.service import DEFAULT_KEEPALIVE_S
-from supervisor.responses.store import RESPONSES_SCHEMA
+from supervisor.responses.store import RESPONSE_EVENTS_SCHEMA, RESPONSES_SCHEMA
 
-__all__ = ["RESPONSES", "RESPONSES_SCHEMA", "ResponsesApi", "add_routes", "setup"]
+__all__ = ["RESPONSES", "RESPONSES_SCHEMA", "RESPONSE_EVENTS_SCHEMA", "ResponsesApi", "add_routes", "setup"]
 
 
 def setup(

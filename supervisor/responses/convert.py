@@ -19,7 +19,7 @@ from supervisor.responses.items import (
     MessageItem,
     ReasoningItem,
 )
-from supervisor.responses.models import FunctionTool
+from supervisor.responses.tools import FunctionTool
 from worker.protocol import ChatMessage
 
 
@@ -60,9 +60,10 @@ class _Turns:
     def add_call(self, item: FunctionCallItem) -> None:
         msg = self._assistant()
         self._take_reasoning(msg)
-        call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+        name = item.offered_name
+        call = {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": item.arguments}}
         msg.tool_calls = [*(msg.tool_calls or []), call]
-        self.call_names[item.call_id] = item.name
+        self.call_names[item.call_id] = name
 
     def add_output(self, item: FunctionCallOutputItem, param: str | None) -> None:
         name = self.call_names.get(item.call_id)

@@ -13,6 +13,9 @@ order is the one the SDK's stream helper expects:
     output_item.done,
     then exactly one of response.completed / response.incomplete / response.failed.
 
+A background response starts with response.created (queued) and
+response.queued when it is accepted, then response.in_progress when it runs.
+A call the output ended inside is an ``incomplete`` function_call item.
 Non-streaming requests run the same builder and keep only the final object.
 """
 
@@ -33,6 +36,7 @@ from supervisor.responses.items import (
     ReasoningText,
     new_id,
 )
+from supervisor.responses.logprobs import LogprobEntry
 from supervisor.responses.objects import (
     ErrorInfo,
     IncompleteDetails,
@@ -59,6 +63,9 @@ class EventBuilder:
         self._seq = 0
         self._open: Item | None = None
         self._open_text: list[str] = []
+        self._open_logprobs: list[LogprobEntry] = []
+        # Set by queued(): a background response announced itself when it was accepted.
+        self._created = False
         # Pre-encoded head and tail of the open item's delta events (hot path).
         self._delta_frame: tuple[str, bytes, bytes] = ("", b"", b"")
 
@@ -73,24 +80,34 @@ class EventBuilder:
 
     # ------------------------------------------------------------- lifecycle
 
-    def start(self) -> list[Event]:
-        self.response.status = "in_progress"
+    def queued(self) -> list[Event]:
+        """A background response's first events, when it is accepted (then :meth:`start`)."""
+        self.response.status = "queued"
+        self._created = True
         return [
             self._event("response.created", response=snapshot(self.response)),
-            self._event("response.in_progress", response=snapshot(self.response)),
+            self._event("response.queued", response=snapshot(self.response)),
         ]
 
-    def pieces(self, pieces: list[Piece]) -> list[Event]:
+    def start(self) -> list[Event]:
+        self.response.status = "in_progress"
+        created = [] if self._created else [self._event("response.created", response=snapshot(self.response))]
+        self._created = True
+        return [*created, self._event("response.in_progress", response=snapshot(self.response))]
+
+    def pieces(self, pieces: list[Piece], logprobs: list[LogprobEntry] | None = None) -> list[Event]:
+        """Events for ``pieces``; ``logprobs`` are the tokens of their text."""
         out: list[Event] = []
         for piece in pieces:
             match piece:
                 case Reasoning(text):
                     out += self._text_delta(ReasoningItem, text)
                 case Text(text):
-                    out += self._text_delta(MessageItem, text)
-                case ToolCall(name, arguments):
+                    out += self._text_delta(MessageItem, text, logprobs or [])
+                    logprobs = None
+                case ToolCall():
                     out += self._close()
-                    out += self._call(name, arguments)
+                    out += self._call(piece)
         return out
 
     def completed(self, usage: Usage, *, truncated: bool) -> list[Event]:
@@ -118,13 +135,17 @@ class EventBuilder:
 
     # ----------------------------------------------------------------- items
 
-    def _text_delta(self, kind: type[MessageItem | ReasoningItem], text: str) -> list[Event]:
+    def _text_delta(self, kind: type[MessageItem | ReasoningItem], text: str,
+                    logprobs: list[LogprobEntry] | None = None) -> list[Event]:
         out: list[Event] = []
         if not isinstance(self._open, kind):
             out += self._close()
             out += self._open_text_item(kind)
         self._open_text.append(text)
         delta_type, head, tail = self._delta_frame
+        if logprobs:
+            self._open_logprobs += logprobs
+            tail = b',"logprobs":' + _encoder.encode(logprobs) + b"}"
         data = b"".join((head, str(self._seq).encode(), b',"delta":', _encoder.encode(text), tail))
         self._seq += 1
         out.append(Event(delta_type, data))
@@ -149,7 +170,7 @@ class EventBuilder:
             item = ReasoningItem(summary=[], content=[], id=new_id("rs"), status="in_progress")
             part = ReasoningText("")
         self.response.output.append(item)
-        self._open, self._open_text = item, []
+        self._open, self._open_text, self._open_logprobs = item, [], []
         self._delta_template(kind, item.id)
         added = msgspec.structs.replace(item)
         return [
@@ -169,9 +190,9 @@ class EventBuilder:
         out: list[Event] = []
         part: OutputText | ReasoningText
         if isinstance(item, MessageItem):
-            part = OutputText(text)
+            part = OutputText(text, logprobs=list(self._open_logprobs))
             item.content = [part]
-            out.append(self._event("response.output_text.done", text=text, logprobs=[], **common))
+            out.append(self._event("response.output_text.done", text=text, logprobs=self._open_logprobs, **common))
         else:
             assert isinstance(item, ReasoningItem)
             part = ReasoningText(text)
@@ -182,18 +203,19 @@ class EventBuilder:
         out.append(self._event("response.output_item.done", output_index=self._index, item=item))
         return out
 
-    def _call(self, name: str, arguments: str) -> list[Event]:
-        item = FunctionCallItem(
-            call_id=new_id("call"), name=name, arguments="", id=new_id("fc"), status="in_progress"
-        )
+    def _call(self, call: ToolCall) -> list[Event]:
+        item = FunctionCallItem(call_id=new_id("call"), name=call.name, arguments="", id=new_id("fc"),
+                                status="in_progress", namespace=call.namespace)
         self.response.output.append(item)
         index = self._index
         added = msgspec.structs.replace(item)
-        item.arguments, item.status = arguments, "completed"
+        # A call the output ended inside keeps what was written, as an incomplete item.
+        item.arguments, item.status = call.arguments, "completed" if call.complete else "incomplete"
         common = {"item_id": item.id, "output_index": index}
         return [
             self._event("response.output_item.added", output_index=index, item=added),
-            self._event("response.function_call_arguments.delta", delta=arguments, **common),
-            self._event("response.function_call_arguments.done", arguments=arguments, name=name, **common),
+            self._event("response.function_call_arguments.delta", delta=call.arguments, **common),
+            self._event("response.function_call_arguments.done", arguments=call.arguments, name=call.name,
+                        **common),
             self._event("response.output_item.done", output_index=index, item=item),
         ]

@@ -67,6 +67,13 @@ class FunctionCallItem(msgspec.Struct, tag="function_call", tag_field="type", kw
     arguments: str
     id: str = ""
     status: ItemStatus = "completed"
+    # The namespace tool the function belongs to (None for a plain function).
+    namespace: str | None = None
+
+    @property
+    def offered_name(self) -> str:
+        """The name the model was offered: namespaced functions are ``namespace.name``."""
+        return f"{self.namespace}.{self.name}" if self.namespace else self.name
 
 
 class FunctionCallOutputItem(msgspec.Struct, tag="function_call_output", tag_field="type", kw_only=True):

@@ -49,6 +49,7 @@ class ResponsesApi:
 
     async def start(self, pool: GenerationPool, db: Database) -> None:
         store = ResponseStore(db)
+        await store.ensure_schema()
         background = BackgroundTasks(
             store, retention_s=self.retention_s, prune_interval_s=self.prune_interval_s, clock=self._clock
         )

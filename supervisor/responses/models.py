@@ -17,22 +17,19 @@ import msgspec
 from supervisor.errors import BadRequest
 from supervisor.httputil import validation_param
 from supervisor.responses.items import Item, MessageItem, normalize
+from supervisor.responses.logprobs import MAX_TOP_LOGPROBS
+from supervisor.responses.tools import (
+    FunctionTool,
+    Offer,
+    RequestTool,
+    ToolChoice,
+    offer,
+)
 
-Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+# FunctionTool is also importable from here, where it lived before tools.py.
+__all__ = ["CreateRequest", "Effort", "FunctionTool", "ValidRequest", "decode_items", "validate"]
 
-
-class FunctionTool(msgspec.Struct, tag="function", tag_field="type", kw_only=True):
-    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class NamedFunction(msgspec.Struct, tag="function", tag_field="type"):
-    name: str
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedFunction
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class ReasoningConfig(msgspec.Struct, kw_only=True):
@@ -64,6 +61,10 @@ class TextConfig(msgspec.Struct, kw_only=True):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+# Reasoning is never encrypted here (nothing is withheld), so asking for it
+# changes nothing; output-text logprobs are computed by the worker.
+Includable = Literal["reasoning.encrypted_content", "message.output_text.logprobs"]
+
 Metadata = Annotated[
     dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
     msgspec.Meta(max_length=16),
@@ -74,7 +75,7 @@ class CreateRequest(msgspec.Struct, kw_only=True):
     model: Annotated[str, msgspec.Meta(min_length=1)]
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
-    tools: list[FunctionTool] = []
+    tools: list[RequestTool] = []
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
@@ -87,15 +88,15 @@ class CreateRequest(msgspec.Struct, kw_only=True):
     reasoning: ReasoningConfig | None = None
     text: TextConfig = msgspec.field(default_factory=TextConfig)
     metadata: Metadata | None = None
-    truncation: Literal["disabled"] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
     user: str | None = None
     # Accepted because clients send them; they change nothing locally.
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     stream_options: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    include: list[Literal["reasoning.encrypted_content"]] | None = None
-    top_logprobs: Literal[0] | None = None
+    include: list[Includable] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # Extension shared with our chat completions: generate to max_output_tokens.
     ignore_eos: bool = False
     # Hosted features with no local meaning: any value but null is a 400.
@@ -108,6 +109,8 @@ class ValidRequest(msgspec.Struct, kw_only=True):
 
     body: CreateRequest
     items: list[Item]
+    # The functions offered to the model under the resolved tool_choice.
+    offer: Offer = msgspec.field(default_factory=Offer)
 
 
 _item_decoder_type: Any = Item
@@ -145,26 +148,12 @@ def decode_items(value: str | list[dict[str, Any]] | None) -> list[Item]:
     return [_decode_item(raw, i) for i, raw in enumerate(value)]
 
 
-def _check_tools(body: CreateRequest) -> None:
-    names = [tool.name for tool in body.tools]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise BadRequest(f"duplicate tool name {name!r}", param=f"tools[{i}].name")
-    choice = body.tool_choice
-    if isinstance(choice, NamedFunction) and choice.name not in names:
-        raise BadRequest(f"tool_choice names {choice.name!r}, which is not in tools", param="tool_choice.name")
-    if choice == "required" and not names:
-        raise BadRequest("tool_choice 'required' needs at least one tool", param="tool_choice")
-
-
 def validate(body: CreateRequest) -> ValidRequest:
     """Cross-field rules msgspec cannot express; raises BadRequest naming the field."""
     items = decode_items(body.input)
     if not items and body.previous_response_id is None:
         raise BadRequest("input is required", param="input")
-    _check_tools(body)
+    offered = offer(body.tools, body.tool_choice)
     if body.background and not body.store:
         raise BadRequest("background responses must be stored (store: true)", param="background")
-    if body.background and body.stream:
-        raise BadRequest("streaming a background response is not supported; poll it instead", param="stream")
-    return ValidRequest(body=body, items=items)
+    return ValidRequest(body=body, items=items, offer=offered)

@@ -7,13 +7,8 @@ from typing import Any, Literal
 import msgspec
 
 from supervisor.responses.items import Item, new_id
-from supervisor.responses.models import (
-    CreateRequest,
-    FunctionTool,
-    ReasoningConfig,
-    TextConfig,
-    ToolChoice,
-)
+from supervisor.responses.models import CreateRequest, ReasoningConfig, TextConfig
+from supervisor.responses.tools import FunctionTool, NamespaceTool, ToolChoice, echoed
 
 Status = Literal["completed", "incomplete", "failed", "in_progress", "queued", "cancelled"]
 TERMINAL: frozenset[str] = frozenset({"completed", "incomplete", "failed", "cancelled"})
@@ -89,12 +84,13 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     previous_response_id: str | None = None
     parallel_tool_calls: bool = True
     tool_choice: ToolChoice = "auto"
-    tools: list[FunctionTool] = []
+    tools: list[FunctionTool | NamespaceTool] = []
     temperature: float = 1.0
     top_p: float = 1.0
     reasoning: ReasoningConfig | None = None
     text: TextConfig = msgspec.field(default_factory=TextConfig)
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"
+    top_logprobs: int | None = None
     metadata: dict[str, str] = {}
     user: str | None = None
     store: bool = True
@@ -117,7 +113,7 @@ def new_response(req: CreateRequest, created_at: float, status: Status) -> Respo
         previous_response_id=req.previous_response_id,
         parallel_tool_calls=req.parallel_tool_calls,
         tool_choice=req.tool_choice,
-        tools=list(req.tools),
+        tools=echoed(req.tools),
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         reasoning=req.reasoning,
@@ -126,6 +122,8 @@ def new_response(req: CreateRequest, created_at: float, status: Status) -> Respo
         user=req.user,
         store=req.store,
         background=req.background,
+        truncation=req.truncation or "disabled",
+        top_logprobs=req.top_logprobs,
     )
 
 

@@ -15,7 +15,11 @@ Tool-call formats understood (only when the request offers tools):
 - DeepSeek: ``<｜tool▁calls▁begin｜>`` then ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name``
   and the arguments in a fenced json block (R1), or ``name<｜tool▁sep｜>{...}`` (V3.1),
   each closed by ``<｜tool▁call▁end｜>``
-A call that does not parse, or names an unknown tool, is kept as text.
+A whole call that does not parse, or names an unknown tool, is kept as text.
+A call the output ends inside (the token limit, a stop string) is never text:
+it becomes an incomplete call (``complete=False``) when its name is known,
+with the arguments written so far, and is dropped when it is not. Under a
+grammar that forces calls (``forced``), every unfinished marker is dropped too.
 
 gpt-oss writes "harmony" messages instead, each a header, ``<|message|>``, a
 body and an end token; :class:`HarmonyParser` reads those.
@@ -59,6 +63,10 @@ class Text(NamedTuple):
 class ToolCall(NamedTuple):
     name: str
     arguments: str
+    # False for a call the output ended inside: its arguments are what was written.
+    complete: bool = True
+    # The namespace tool of the function (set after parsing; the model sees "namespace.name").
+    namespace: str | None = None
 
 
 Piece = Reasoning | Text | ToolCall
@@ -197,6 +205,124 @@ def parse_deepseek_calls(text: str, names: frozenset[str]) -> list[ToolCall] | N
     return calls or None
 
 
+# --------------------------------------------------------- calls cut short
+
+_PARTIAL_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)(")?')
+_PARTIAL_ARGS = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def known_name(written: str, names: frozenset[str], *, whole: bool) -> str | None:
+    """The tool a name cut short means: itself when ``whole``, else the one tool it starts."""
+    if whole:
+        return written if written in names else None
+    found = [name for name in names if name.startswith(written)]
+    return found[0] if len(found) == 1 else None
+
+
+def _partial_json_call(text: str, names: frozenset[str]) -> ToolCall | None:
+    """``{"name": "get_wea`` or ``{"name": "f", "arguments": {"a": 1`` as an incomplete call."""
+    found = _PARTIAL_NAME.match(text)
+    if found is None:
+        return None
+    name = known_name(found.group(1), names, whole=found.group(2) is not None)
+    if name is None:
+        return None
+    rest = text[found.end() :]
+    key = _PARTIAL_ARGS.match(rest)
+    args = rest[key.end() :] if key else ""
+    return ToolCall(name, _whole_json_prefix(args), complete=False)
+
+
+def _whole_json_prefix(args: str) -> str:
+    """``args`` up to the end of a whole JSON value at its start (what follows,
+    such as a model's own "id" field or a marker cut short, is not arguments);
+    all of it when the output ended inside the value."""
+    try:
+        _, end = json.JSONDecoder().raw_decode(args)
+    except ValueError:
+        return args
+    return args[:end]
+
+
+def partial_json_calls(text: str, names: frozenset[str]) -> list[ToolCall]:
+    """The calls of JSON text the output ended inside: whole ones, then the cut one."""
+    decoder = json.JSONDecoder()
+    text = text.strip()
+    pos = 1 if text.startswith("[") else 0
+    calls: list[ToolCall] = []
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n;,":
+            pos += 1
+        if pos >= len(text):
+            return calls
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            partial = _partial_json_call(text[pos:], names)
+            return [*calls, partial] if partial is not None else calls
+        call = _call_from(value, names)
+        if call is None:
+            return calls
+        calls.append(call)
+
+
+def partial_mistral_calls(text: str, names: frozenset[str]) -> list[ToolCall]:
+    """``[TOOL_CALLS]`` text the output ended inside, either form."""
+    if text.lstrip().startswith(("[", "{")):
+        return partial_json_calls(text, names)
+    calls: list[ToolCall] = []
+    for segment in [s for s in text.split(MISTRAL_CALLS) if s.strip()]:
+        head, sep, args = segment.partition(MISTRAL_ARGS)
+        if not sep:
+            head = head[: len(head) - _held_suffix(head, (MISTRAL_ARGS, MISTRAL_CALL_ID))]
+        name = known_name(head.partition(MISTRAL_CALL_ID)[0].strip(), names, whole=bool(sep))
+        if name is None:
+            break
+        whole = _call_from({"name": name, "arguments": args.strip()}, names) if sep else None
+        calls.append(whole or ToolCall(name, args.strip(), complete=False))
+    return calls
+
+
+def _unfenced(args: str) -> str:
+    """Arguments less the opening of their json fence, even one cut short."""
+    args = args.strip()
+    if "```json".startswith(args):
+        return ""
+    for fence in ("```json", "```"):
+        if args.startswith(fence):
+            return args[len(fence) :].strip()
+    return args
+
+
+def partial_deepseek_calls(text: str, names: frozenset[str]) -> list[ToolCall]:
+    """DeepSeek calls the output ended inside: whole ones, then the cut one."""
+    body = text.strip().removeprefix(DEEPSEEK_CALLS_BEGIN).partition(DEEPSEEK_CALLS_END)[0]
+    body = body[: len(body) - _held_suffix(body, (DEEPSEEK_CALLS_END,))]
+    calls: list[ToolCall] = []
+    for segment in [s for s in body.split(DEEPSEEK_CALL_BEGIN) if s.strip()]:
+        if segment.rstrip().endswith(DEEPSEEK_CALL_END):
+            call = _deepseek_call(segment.rstrip().removesuffix(DEEPSEEK_CALL_END), names)
+            if call is None:
+                break
+            calls.append(call)
+            continue
+        head, sep, rest = segment.partition(DEEPSEEK_SEP)
+        if not sep:
+            break
+        if head.strip() == "function":
+            written, newline, args = rest.partition("\n")
+        else:
+            written, newline, args = rest.partition("{")
+            args = newline + args
+        name = known_name(written.strip(), names, whole=bool(newline))
+        if name is None:
+            break
+        args = _unfenced(args)
+        args = args[: len(args) - _held_suffix(args, ("\n```" + DEEPSEEK_CALL_END, "```" + DEEPSEEK_CALL_END))]
+        calls.append(ToolCall(name, _whole_json_prefix(args.rstrip()), complete=False))
+    return calls
+
+
 class OutputParser:
     """Feed decoded text; get pieces that can be emitted now."""
 
@@ -207,8 +333,11 @@ class OutputParser:
         starts_in_reasoning: bool = False,
         tool_names: frozenset[str] = frozenset(),
         bare_json_calls: bool = True,
+        forced: bool = False,
     ) -> None:
         self._thinking = thinking or starts_in_reasoning
+        # A grammar forces calls: no visible text can follow, only markup.
+        self._forced = forced
         self._names = tool_names
         self._bare_json = bare_json_calls and bool(tool_names)
         self._state = _State.REASONING if starts_in_reasoning else _State.TEXT
@@ -239,10 +368,14 @@ class OutputParser:
         buf, self._buf = self._buf, ""
         match self._state:
             case _State.REASONING:
+                if self._forced:
+                    # The grammar's "</think>" cut short is markup, not reasoning.
+                    buf = buf[: len(buf) - _held_suffix(buf, (THINK_CLOSE,))]
                 if buf:
                     out.append(Reasoning(buf))
             case _State.TEXT:
-                if buf.strip() or (buf and not self._fresh):
+                # Under a forced call, what is held back is the start of a marker.
+                if not self._forced and (buf.strip() or (buf and not self._fresh)):
                     out.append(Text(buf))
             case _State.HERMES:
                 out.extend(self._hermes_calls(buf, closed=False))
@@ -362,9 +495,12 @@ class OutputParser:
         calls = parse_json_calls(cut, self._names)
         if calls:
             return list(calls)
-        return [Text(HERMES_OPEN + body + (HERMES_CLOSE if closed else ""))]
+        if not closed:
+            return list(partial_json_calls(cut, self._names))
+        return [Text(HERMES_OPEN + body + HERMES_CLOSE)]
 
     def _trailing_calls(self, buf: str) -> list[Piece]:
+        """Calls run to the end of the output: ones that do not parse were cut short there."""
         prefix = self._trailing_prefix
         if prefix == MISTRAL_CALLS:
             calls = parse_mistral_calls(buf, self._names)
@@ -374,7 +510,18 @@ class OutputParser:
             calls = parse_json_calls(buf, self._names)
         if calls:
             return list(calls)
-        return [Text(prefix + buf)] if (prefix + buf).strip() else []
+        partial = self._partial_trailing(prefix, buf)
+        # Bare JSON that is no call is an answer; after a marker it is markup.
+        if partial or prefix or self._forced:
+            return list(partial)
+        return [Text(buf)] if buf.strip() else []
+
+    def _partial_trailing(self, prefix: str, buf: str) -> list[ToolCall]:
+        if prefix == MISTRAL_CALLS:
+            return partial_mistral_calls(buf, self._names)
+        if prefix in (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALL_BEGIN):
+            return partial_deepseek_calls(prefix + buf, self._names)
+        return partial_json_calls(buf, self._names)
 
 
 # ------------------------------------------------------------------ harmony
@@ -389,6 +536,8 @@ _HARMONY_BOUNDS = (HARMONY_START, HARMONY_CHANNEL)
 # A header longer than this is not one: the text is an answer without channels.
 _MAX_HEADER = 256
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
+# A recipient the output ended inside: the name is whole once something follows it.
+_CUT_RECIPIENT = re.compile(r"to=functions\.([^\s<]*)([\s<])?")
 _CHANNEL = re.compile(re.escape(HARMONY_CHANNEL) + r"([^\s<]*)")
 
 
@@ -410,14 +559,22 @@ def _could_be_header(buf: str) -> bool:
     return len(buf) <= _MAX_HEADER and any(text.startswith(o) or o.startswith(text) for o in opens)
 
 
+def _without_cut_marker(text: str) -> str:
+    """``text`` less a harmony marker the output ended inside (``<|en``): markup, never text."""
+    keep = _held_suffix(text, (*HARMONY_ENDS, *_HARMONY_BOUNDS))
+    return text[: len(text) - keep] if keep >= 2 else text
+
+
 class HarmonyParser:
     """gpt-oss output: analysis messages are reasoning, final (and preamble)
     messages text, and a message addressed ``to=functions.NAME`` a call whose
     body is its JSON arguments. Text that does not follow the format at all is
     an answer. Only certain pieces are emitted, as in :class:`OutputParser`."""
 
-    def __init__(self, *, tool_names: frozenset[str] = frozenset()) -> None:
+    def __init__(self, *, tool_names: frozenset[str] = frozenset(), forced: bool = False) -> None:
         self._names = tool_names
+        # A grammar forces a call: whatever is left of a header is markup.
+        self._forced = forced
         self._state = _Harmony.HEADER
         self._buf = ""
         self._header = ""
@@ -439,18 +596,33 @@ class HarmonyParser:
         buf, self._buf = self._buf, ""
         match self._state:
             case _Harmony.HEADER:
-                # A header cut short is markup; anything else was an answer.
-                if buf.strip() and not buf.lstrip().startswith("<|"):
+                # A header cut short is markup (a call's, when it names one); anything else was an answer.
+                call = self._cut_header(buf)
+                if call is not None:
+                    out.append(call)
+                elif buf.strip() and not self._forced and not buf.lstrip().startswith("<|"):
                     out.append(Text(buf))
-            case _Harmony.REASONING:
-                if buf:
-                    out.append(Reasoning(buf))
-            case _Harmony.TEXT:
-                if buf:
-                    out.append(Text(buf))
+            case _Harmony.REASONING | _Harmony.TEXT:
+                self._emit(out, _without_cut_marker(buf))
             case _Harmony.CALL:
-                out.append(self._call(buf))
+                out.extend(self._cut_call(_without_cut_marker(buf)))
         return out
+
+    def _cut_header(self, header: str) -> ToolCall | None:
+        found = _CUT_RECIPIENT.search(header)
+        if found is None:
+            return None
+        name = known_name(found.group(1), self._names, whole=found.group(2) is not None)
+        return ToolCall(name, "", complete=False) if name is not None else None
+
+    def _cut_call(self, body: str) -> list[Piece]:
+        """A call message the output ended inside: whole if its arguments are, else incomplete."""
+        recipient = self._recipient or ""
+        name = recipient.removeprefix("functions.")
+        if not recipient.startswith("functions.") or name not in self._names:
+            return []
+        whole = _call_from({"name": name, "arguments": body.strip()}, self._names)
+        return [whole if whole is not None else ToolCall(name, _whole_json_prefix(body.strip()), complete=False)]
 
     def _step(self, out: list[Piece]) -> bool:
         if self._state is _Harmony.HEADER:

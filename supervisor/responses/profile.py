@@ -25,6 +25,15 @@ def _opens_think(template: str) -> bool:
     return "<think>" in block and "</think>" not in block
 
 
+# An effort variable takes a template's own levels (gpt-oss: "Reasoning: low",
+# "medium" or "high"); the API's other levels become the nearest of them, so
+# "max" (and "xhigh") is the template's highest.
+EFFORT_LEVELS: dict[str, str] = {
+    "none": "low", "minimal": "low", "low": "low", "medium": "medium",
+    "high": "high", "xhigh": "high", "max": "high",
+}
+
+
 @dataclass(frozen=True)
 class TemplateProfile:
     thinks: bool = False
@@ -45,7 +54,7 @@ class TemplateProfile:
             return {}
         out: dict[str, object] = {}
         if self.effort_var:
-            out[self.effort_var] = effort
+            out[self.effort_var] = EFFORT_LEVELS.get(effort, effort)
         if self.toggle_var:
             out[self.toggle_var] = effort != "none"
         return out

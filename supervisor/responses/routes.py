@@ -15,8 +15,8 @@ from supervisor.errors import BadRequest
 from supervisor.httputil import SseWriter, decode_body, json_response
 from supervisor.responses.events import Event
 from supervisor.responses.lifecycle import RESPONSES
-from supervisor.responses.models import CreateRequest, ValidRequest, validate
-from supervisor.responses.service import ResponsesService
+from supervisor.responses.models import CreateRequest, validate
+from supervisor.responses.service import ResponsesService, ResponseStream
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +32,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     valid = validate(body)
     service = _service(request)
     if body.background:
-        return json_response(await service.create_background(valid))
+        queued = await service.create_background(valid)
+        if body.stream:
+            # Following, not owning: a client that leaves does not cancel it.
+            return await _stream(request, service, await service.follow(queued.id, after=-1))
+        return json_response(queued)
     if body.stream:
-        return await _stream(request, service, valid)
+        # A refusal (queue full, GPU busy) raises here: an HTTP error with
+        # Retry-After, before the 200 of an event stream is committed.
+        return await _stream(request, service, await service.stream(valid))
     return json_response(await service.create(valid))
 
 
@@ -55,10 +61,7 @@ async def _keepalive(sse: SseWriter, activity: _Activity, interval: float) -> No
             activity.last = time.monotonic()
 
 
-async def _stream(request: web.Request, service: ResponsesService, valid: ValidRequest) -> web.StreamResponse:
-    # A refusal (queue full, GPU busy) raises here: an HTTP error with
-    # Retry-After, before the 200 of an event stream is committed.
-    stream = await service.stream(valid)
+async def _stream(request: web.Request, service: ResponsesService, stream: ResponseStream) -> web.StreamResponse:
     try:
         sse = await SseWriter.start(request)
         activity = _Activity()
@@ -94,10 +97,38 @@ async def _pump(events: AsyncGenerator[Event, None], sse: SseWriter, activity: _
             activity.last = time.monotonic()
 
 
-async def get_response(request: web.Request) -> web.Response:
-    if request.query.get("stream", "false").lower() not in ("false", "0", ""):
-        raise BadRequest("replaying a response as a stream is not supported", param="stream")
-    return json_response(await _service(request).get(request.match_info["response_id"]))
+def _flag(raw: str, param: str) -> bool:
+    value = raw.lower()
+    if value in ("true", "1"):
+        return True
+    if value in ("false", "0", ""):
+        return False
+    raise BadRequest(f"{param} must be true or false, got {raw!r}", param=param)
+
+
+def _starting_after(raw: str | None) -> int:
+    if raw is None:
+        return -1
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise BadRequest(f"starting_after must be an integer, got {raw!r}", param="starting_after") from exc
+    if value < -1:
+        raise BadRequest("starting_after must be -1 or more", param="starting_after")
+    return value
+
+
+async def get_response(request: web.Request) -> web.StreamResponse:
+    service = _service(request)
+    response_id = request.match_info["response_id"]
+    query = request.query
+    if _flag(query.get("stream", "false"), "stream"):
+        # A background response's events, from the one after starting_after.
+        return await _stream(request, service, await service.follow(response_id, _starting_after(
+            query.get("starting_after"))))
+    if "starting_after" in query:
+        raise BadRequest("starting_after applies only with stream=true", param="starting_after")
+    return json_response(await service.get(response_id))
 
 
 async def delete_response(request: web.Request) -> web.Response:

@@ -19,18 +19,26 @@ from supervisor.responses.convert import template_tools, to_messages
 from supervisor.responses.events import Event, EventBuilder
 from supervisor.responses.grammar import tool_call_grammar
 from supervisor.responses.items import Item
+from supervisor.responses.logprobs import TextLogprobs
 from supervisor.responses.models import (
     CreateRequest,
     FormatJsonObject,
     FormatJsonSchema,
-    FunctionTool,
-    NamedFunction,
-    ToolChoice,
 )
 from supervisor.responses.objects import Usage
-from supervisor.responses.parse import HarmonyParser, OutputParser, StreamParser
+from supervisor.responses.parse import (
+    HarmonyParser,
+    OutputParser,
+    Piece,
+    StreamParser,
+    ToolCall,
+)
 from supervisor.responses.profile import TemplateProfile, profile_for
+from supervisor.responses.tools import FunctionTool, NamedFunction, Offer, PlanChoice
 from worker.protocol import ChatMessage, Delta, Done, ModelFacts, SamplingParams
+
+# The Responses API's include value that asks for output-text logprobs.
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
 
 
 class Outputs(Protocol):
@@ -51,6 +59,8 @@ class GenerationPool(Protocol):
     """The part of the worker pool the Responses API uses."""
 
     async def facts(self, model: str) -> ModelFacts: ...
+
+    async def tokenize(self, model: str, text: str, add_special: bool = True) -> list[int]: ...
 
     async def admit(
         self,
@@ -75,6 +85,21 @@ class Plan:
     tool_names: frozenset[str] = frozenset()
     # A grammar forces JSON: a leading "{" is the answer, not a tool call.
     json_output: bool = False
+    # Offered name -> (namespace, name) of each namespaced function.
+    namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # The one function a forcing grammar allows, if only one.
+    forced_name: str | None = None
+
+    @property
+    def forced_call(self) -> bool:
+        return self.params.grammar is not None and not self.json_output
+
+    def named(self, pieces: list[Piece]) -> list[Piece]:
+        """Calls of namespaced functions under their own name, with the namespace."""
+        if not self.namespaces:
+            return pieces
+        return [p._replace(namespace=self.namespaces[p.name][0], name=self.namespaces[p.name][1])
+                if isinstance(p, ToolCall) and p.name in self.namespaces else p for p in pieces]
 
     def blamed(self, chat_param: str) -> str:
         """This request's field for a chat field the pool named in an error."""
@@ -84,10 +109,14 @@ class Plan:
         return "text.format" if self.json_output else "tool_choice"
 
     def parser(self) -> StreamParser:
+        parser = self._parser()
+        return ForcedCall(parser, self.forced_name) if self.forced_call and self.forced_name else parser
+
+    def _parser(self) -> StreamParser:
         tool_names = frozenset() if self.json_output else self.tool_names
         if self.profile.harmony:
             # Channels mark reasoning and calls explicitly, grammar or not.
-            return HarmonyParser(tool_names=tool_names)
+            return HarmonyParser(tool_names=tool_names, forced=self.forced_call)
         # A grammar leaves no room for a think block: JSON starts at once, and
         # a forced call only closes the block the template opened.
         forced = self.json_output or self.params.grammar is not None
@@ -96,7 +125,39 @@ class Plan:
             starts_in_reasoning=self.profile.starts_in_reasoning and not self.json_output,
             tool_names=tool_names,
             bare_json_calls=not self.json_output,
+            forced=self.forced_call,
         )
+
+
+class ForcedCall:
+    """A parser for output a grammar forces to call one known function: an
+    output cut before even its name is that call, with no arguments yet."""
+
+    def __init__(self, parser: StreamParser, name: str) -> None:
+        self._parser = parser
+        self._name = name
+        self._called = False
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._parser.in_reasoning
+
+    def _seen(self, pieces: list[Piece]) -> list[Piece]:
+        self._called = self._called or any(isinstance(p, ToolCall) for p in pieces)
+        return pieces
+
+    def feed(self, text: str) -> list[Piece]:
+        return self._seen(self._parser.feed(text))
+
+    def finish(self) -> list[Piece]:
+        pieces = self._seen(self._parser.finish())
+        return pieces if self._called else [*pieces, ToolCall(self._name, "", complete=False)]
+
+
+def _forced_name(tools: list[FunctionTool], choice: PlanChoice) -> str | None:
+    if isinstance(choice, NamedFunction):
+        return choice.name
+    return tools[0].name if choice == "required" and len(tools) == 1 else None
 
 
 def _sampling(req: CreateRequest) -> SamplingParams:
@@ -110,13 +171,15 @@ def _sampling(req: CreateRequest) -> SamplingParams:
         params.json_schema = json.dumps(fmt.schema)
     elif isinstance(fmt, FormatJsonObject):
         params.json_object = True
+    if req.top_logprobs is not None or INCLUDE_LOGPROBS in (req.include or []):
+        params.logprobs = req.top_logprobs or 0
     return params
 
 
 def _constrain_calls(
     params: SamplingParams,
     tools: list[FunctionTool],
-    choice: ToolChoice,
+    choice: PlanChoice,
     parallel: bool,
     profile: TemplateProfile,
 ) -> None:
@@ -143,9 +206,10 @@ def tool_plan(
     profile: TemplateProfile,
     *,
     tools: list[FunctionTool],
-    choice: ToolChoice,
+    choice: PlanChoice,
     parallel: bool,
     template_vars: dict[str, Any] | None = None,
+    namespaces: dict[str, tuple[str, str]] | None = None,
 ) -> Plan:
     """The plan for ``messages`` offering ``tools`` under ``choice`` (chat completions share it)."""
     use_tools = bool(tools) and choice != "none"
@@ -158,20 +222,25 @@ def tool_plan(
         profile=profile,
         tool_names=frozenset(t.name for t in tools) if use_tools else frozenset(),
         json_output=(params.json_schema is not None or params.json_object) and params.grammar is None,
+        namespaces=(namespaces or {}) if use_tools else {},
+        forced_name=_forced_name(tools, choice) if params.grammar is not None else None,
     )
 
 
-def plan(req: CreateRequest, history: list[Item], items: list[Item], facts: ModelFacts) -> Plan:
+def plan(req: CreateRequest, history: list[Item], items: list[Item], facts: ModelFacts,
+         offer: Offer | None = None) -> Plan:
     profile = profile_for(facts.chat_template)
     effort = req.reasoning.effort if req.reasoning else None
+    offer = offer or Offer()
     return tool_plan(
         to_messages(history, items, req.instructions),
         _sampling(req),
         profile,
-        tools=req.tools,
-        choice=req.tool_choice,
+        tools=offer.functions,
+        choice=offer.choice,
         parallel=req.parallel_tool_calls,
         template_vars=profile.template_vars(effort),
+        namespaces=offer.namespaces,
     )
 
 
@@ -214,6 +283,7 @@ async def run(
     for event in builder.start():
         yield event
     parser = plan.parser()
+    text_logprobs = TextLogprobs() if plan.params.logprobs is not None else None
     reasoning_tokens = 0
     done: Done | None = None
     produced = False
@@ -227,7 +297,9 @@ async def run(
                     break
                 if parser.in_reasoning:
                     reasoning_tokens += out.n_tokens
-                for event in builder.pieces(parser.feed(out.text)):
+                pieces = plan.named(parser.feed(out.text))
+                logprobs = text_logprobs.take(out.logprobs, pieces) if text_logprobs else None
+                for event in builder.pieces(pieces, logprobs):
                     yield event
         finally:
             # Leaving early (client gone, cancelled) cancels the generation.
@@ -244,7 +316,8 @@ async def run(
         for event in builder.failed(exc.code or "server_error", exc.message):
             yield event
         return
-    for event in builder.pieces(parser.finish()):
+    pieces = plan.named(parser.finish())
+    for event in builder.pieces(pieces, text_logprobs.take(None, pieces) if text_logprobs else None):
         yield event
     if done is None:
         for event in builder.failed("server_error", "the model worker ended the stream without finishing"):

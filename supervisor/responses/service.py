@@ -3,7 +3,9 @@
 :class:`ResponsesService` ties the pool, the store and the background tasks
 together. A stored response is written before its terminal event leaves, so a
 client that has seen ``response.completed`` can continue the conversation at
-once; with ``store: false`` nothing is written at all.
+once; with ``store: false`` nothing is written at all. A background
+response's events go to its event log (``eventlog``), which clients stream,
+leave and resume from a sequence number.
 """
 
 from __future__ import annotations
@@ -14,18 +16,34 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from supervisor.errors import ApiError, BadRequest, Conflict, NotFound
+from supervisor.errors import (
+    ApiError,
+    BadRequest,
+    Conflict,
+    ModelNotFound,
+    NotFound,
+    Unavailable,
+)
+from supervisor.responses import truncation
 from supervisor.responses.background import BackgroundTasks
 from supervisor.responses.convert import to_messages
+from supervisor.responses.eventlog import TERMINAL_EVENTS, LiveEvents, LiveLogs
 from supervisor.responses.events import Event, EventBuilder
 from supervisor.responses.items import Item
 from supervisor.responses.models import CreateRequest, ValidRequest
 from supervisor.responses.objects import ResponseObject, new_response, snapshot
-from supervisor.responses.runner import GenerationPool, Outputs, Plan, admit, in_responses_terms, plan, run
+from supervisor.responses.runner import (
+    GenerationPool,
+    Outputs,
+    Plan,
+    admit,
+    in_responses_terms,
+    plan,
+    run,
+)
 from supervisor.responses.store import ResponseStore
 
 DEFAULT_KEEPALIVE_S = 10.0
-TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
 @dataclass
@@ -34,11 +52,12 @@ class ResponseStream:
     generation when the events were never read (the client left early)."""
 
     events: AsyncGenerator[Event, None]
-    outputs: Outputs
+    outputs: Outputs | None = None
 
     async def aclose(self) -> None:
         await self.events.aclose()
-        await self.outputs.aclose()
+        if self.outputs is not None:
+            await self.outputs.aclose()
 
 
 class ResponsesService:
@@ -56,6 +75,7 @@ class ResponsesService:
         self.background = background
         self.keepalive_s = keepalive_s
         self._clock = clock
+        self.live = LiveLogs(store)
 
     # --------------------------------------------------------------- create
 
@@ -71,9 +91,47 @@ class ResponsesService:
             )
         return items
 
-    async def _plan(self, valid: ValidRequest, history: list[Item]) -> Plan:
-        facts = await self.pool.facts(valid.body.model)
-        return plan(valid.body, history, valid.items, facts)
+    async def _generation(self, valid: ValidRequest, history: list[Item], request_id: str,
+                          wait_s: float | None) -> tuple[Plan, Outputs]:
+        """Plan and queue the generation, then wait (up to ``wait_s``, None:
+        as long as it takes) for the worker to take it, so a prompt it rejects
+        (too long, a bad grammar) raises here. With ``truncation: "auto"`` a
+        prompt it finds too long loses older items and is queued again."""
+        req = valid.body
+        facts = await self.pool.facts(req.model)
+        auto = req.truncation == "auto"
+        dropped = await truncation.first_drop(
+            self.pool, req.model, history=history, items=valid.items, instructions=req.instructions,
+            tools=valid.offer.functions, n_ctx=facts.n_ctx, max_output_tokens=req.max_output_tokens,
+        ) if auto else 0
+        retries = 0
+        while True:
+            kept_history, kept_items = truncation.without_oldest(history, valid.items, dropped)
+            generation = plan(req, kept_history, kept_items, facts, valid.offer)
+            outputs = await admit(self.pool, req.model, generation, request_id)
+            try:
+                await self._accepted(outputs, wait_s)
+            except BadRequest as exc:
+                await outputs.aclose()
+                more = truncation.next_drop(dropped, retries, len(history) + len(valid.items))
+                if not auto or exc.code != "context_length_exceeded" or more is None:
+                    raise in_responses_terms(exc, generation) from exc
+                dropped, retries = more, retries + 1
+                continue
+            except BaseException:
+                await outputs.aclose()
+                raise
+            return generation, outputs
+
+    @staticmethod
+    async def _accepted(outputs: Outputs, wait_s: float | None) -> None:
+        """Bounded for a stream by the keepalive interval, the silence a client
+        sees anyway before the first keepalive: a request still queued then
+        streams, and a later rejection ends the stream in ``response.failed``."""
+        try:
+            await asyncio.wait_for(outputs.accepted(), wait_s)
+        except TimeoutError:
+            return
 
     async def _save(self, resp: ResponseObject, valid: ValidRequest) -> None:
         if valid.body.store:
@@ -83,28 +141,9 @@ class ResponsesService:
         """Check what can fail with an HTTP error (a bad request, an unknown
         model, a full queue or a busy GPU), then return the event stream."""
         history = await self._history(valid.body)
-        generation = await self._plan(valid, history)
         resp = new_response(valid.body, self._clock(), "in_progress")
-        outputs = await admit(self.pool, resp.model, generation, resp.id)
-        try:
-            await self._accepted(outputs, generation)
-        except BaseException:
-            await outputs.aclose()
-            raise
+        generation, outputs = await self._generation(valid, history, resp.id, self.keepalive_s)
         return ResponseStream(self._events(resp, valid, generation, outputs), outputs)
-
-    async def _accepted(self, outputs: Outputs, generation: Plan) -> None:
-        """Wait for the worker to take the request, so a prompt it rejects
-        (too long, a bad grammar) is an HTTP 400 like chat's. Bounded by the
-        keepalive interval, the silence a client sees anyway before the first
-        keepalive: a request still queued then streams, and a later rejection
-        ends the stream in ``response.failed``."""
-        try:
-            await asyncio.wait_for(outputs.accepted(), self.keepalive_s)
-        except TimeoutError:
-            return
-        except BadRequest as exc:
-            raise in_responses_terms(exc, generation) from exc
 
     async def _events(
         self, resp: ResponseObject, valid: ValidRequest, generation: Plan, outputs: Outputs
@@ -119,48 +158,83 @@ class ResponsesService:
     async def create(self, valid: ValidRequest) -> ResponseObject:
         """Run to the end and return the final object (non-streaming)."""
         history = await self._history(valid.body)
-        generation = await self._plan(valid, history)
         resp = new_response(valid.body, self._clock(), "in_progress")
         builder = EventBuilder(resp, self._clock)
-        async for _ in run(self.pool, resp.model, generation, builder, request_id=resp.id, raise_early=True):
+        try:
+            generation, outputs = await self._generation(valid, history, resp.id, None)
+        except (ModelNotFound, Unavailable, BadRequest):
+            raise  # the request itself cannot be served: an HTTP error
+        except ApiError as exc:
+            # The worker failed under it (e.g. crashed): a failed response, as mid-generation.
+            builder.start()
+            builder.failed(exc.code or "server_error", exc.message)
+            await self._save(resp, valid)
+            return resp
+        async for _ in run(self.pool, resp.model, generation, builder, request_id=resp.id, raise_early=True,
+                           admitted=outputs):
             pass
         await self._save(resp, valid)
         return resp
 
     async def create_background(self, valid: ValidRequest) -> ResponseObject:
-        """Store the response as queued and run it detached from the request."""
+        """Store the response as queued and run it detached from the request;
+        its events are logged for clients that stream or attach later."""
         history = await self._history(valid.body)
         # Reject a bad conversation (e.g. an output for an unknown call) now, as a 400.
         to_messages(history, valid.items, valid.body.instructions)
         self.background.check_capacity()
         resp = new_response(valid.body, self._clock(), "queued")
+        builder = EventBuilder(resp, self._clock)
         await self.store.save(resp, valid.items)
-        queued = snapshot(resp)
-        self.background.submit(resp.id, self._run_background(resp, valid, history))
+        log = self.live.open(resp.id)
+        try:
+            await log.add(builder.queued())
+            queued = snapshot(resp)
+            self.background.submit(resp.id, self._run_background(resp, valid, history, builder, log))
+        except BaseException:
+            await self.live.finish(resp.id)
+            raise
         return queued
 
-    async def _run_background(self, resp: ResponseObject, valid: ValidRequest, history: list[Item]) -> None:
-        builder = EventBuilder(resp, self._clock)
+    async def _run_background(self, resp: ResponseObject, valid: ValidRequest, history: list[Item],
+                              builder: EventBuilder, log: LiveEvents) -> None:
         try:
-            # Stays queued until a slot frees (a cancel meanwhile is recorded below).
-            async with self.background.slot():
-                resp.status = "in_progress"
-                await self.store.update(resp)
-                try:
-                    generation = await self._plan(valid, history)
-                except ApiError as exc:
-                    builder.failed(exc.code or "server_error", exc.message)
+            try:
+                # Stays queued until a slot frees (a cancel meanwhile is recorded below).
+                async with self.background.slot():
+                    resp.status = "in_progress"
+                    await self.store.update(resp)
+                    await self._generate_into(log, resp, valid, history, builder)
+            except asyncio.CancelledError:
+                if self.background.cancel_requested(resp.id):
+                    builder.cancelled()
                 else:
-                    async for _ in run(self.pool, resp.model, generation, builder, request_id=resp.id):
-                        pass
-        except asyncio.CancelledError:
-            if self.background.cancel_requested(resp.id):
-                builder.cancelled()
-            else:
-                builder.failed("interrupted", "the server shut down while this response ran")
+                    await log.add(builder.failed("interrupted", "the server shut down while this response ran"))
+                await self.store.update(resp)
+                raise
             await self.store.update(resp)
-            raise
-        await self.store.update(resp)
+        finally:
+            await self.live.finish(resp.id)
+
+    async def _generate_into(self, log: LiveEvents, resp: ResponseObject, valid: ValidRequest,
+                             history: list[Item], builder: EventBuilder) -> None:
+        try:
+            generation, outputs = await self._generation(valid, history, resp.id, None)
+        except ApiError as exc:
+            await log.add(builder.start())
+            await log.add(builder.failed(exc.code or "server_error", exc.message))
+            return
+        async for event in run(self.pool, resp.model, generation, builder, request_id=resp.id, admitted=outputs):
+            await log.add([event])
+
+    async def follow(self, response_id: str, after: int) -> ResponseStream:
+        """The events of a background response after sequence number ``after``:
+        live while it runs, stored once it has finished (or the service restarted)."""
+        resp = await self.get(response_id)
+        if not resp.background:
+            raise BadRequest("only background responses can be streamed again; this one was not background",
+                             param="stream")
+        return ResponseStream(self.live.follow(response_id, after))
 
     # ----------------------------------------------------------- retrieval
 
@@ -172,6 +246,7 @@ class ResponsesService:
 
     async def delete(self, response_id: str) -> None:
         await self.background.cancel(response_id)
+        await self.live.finish(response_id)
         if not await self.store.delete(response_id):
             raise NotFound(f"response {response_id!r} not found", param="response_id")
 
@@ -189,6 +264,7 @@ class ResponsesService:
             # Cancelled before its task first ran: nothing else will record it.
             resp.status = "cancelled"
             await self.store.update(resp)
+        await self.live.finish(response_id)
         return resp
 
     async def input_items(

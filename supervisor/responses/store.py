@@ -1,7 +1,9 @@
 """Stored responses in the parent's SQLite database.
 
 A response is one row (the full Response object as JSON) plus its input items
-in order. Both are written in one transaction, so a response is never stored
+in order; a background response also keeps every event it streamed, so a
+client can attach to it, leave and resume from a sequence number, even after
+the service restarted. Both are written in one transaction, so a response is never stored
 half-written; background responses are inserted when queued and updated in
 place as their status changes. ``previous_response_id`` chains are walked with
 one recursive query. A chain whose older links were pruned or deleted simply
@@ -16,6 +18,7 @@ import msgspec
 
 from supervisor.db import Database
 from supervisor.errors import NotFound
+from supervisor.responses.events import Event
 from supervisor.responses.items import Item, decode_item, encode_item
 from supervisor.responses.objects import ErrorInfo, ResponseObject
 
@@ -36,6 +39,19 @@ RESPONSES_SCHEMA: list[str] = [
         item_id TEXT NOT NULL,
         item BLOB NOT NULL,
         PRIMARY KEY (response_id, position)
+    ) WITHOUT ROWID""",
+]
+
+# Migration for supervisor.db.Database, after RESPONSES_SCHEMA: the events of
+# background responses, in sequence. ``IF NOT EXISTS`` because the store also
+# applies it itself at start (see ResponseStore.ensure_schema).
+RESPONSE_EVENTS_SCHEMA: list[str] = [
+    """CREATE TABLE IF NOT EXISTS response_events (
+        response_id TEXT NOT NULL REFERENCES responses(id) ON DELETE CASCADE,
+        seq INTEGER NOT NULL,
+        type TEXT NOT NULL,
+        data BLOB NOT NULL,
+        PRIMARY KEY (response_id, seq)
     ) WITHOUT ROWID""",
 ]
 
@@ -71,9 +87,43 @@ def previous_not_found(response_id: str) -> NotFound:
     )
 
 
+_INSERT_EVENT = (
+    # A response deleted meanwhile takes no more events (nor fails the writer).
+    "INSERT INTO response_events (response_id, seq, type, data)"
+    " SELECT ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM responses WHERE id = ?)"
+)
+
+
+def _failed_event(resp: ResponseObject, seq: int) -> bytes:
+    return _body_encoder.encode({"type": "response.failed", "sequence_number": seq, "response": resp})
+
+
 class ResponseStore:
     def __init__(self, db: Database) -> None:
         self._db = db
+
+    async def ensure_schema(self) -> None:
+        """Create the events table where the database's migrations predate it
+        (the app's migration list is wired separately); a no-op otherwise."""
+        async with self._db.write() as conn:
+            for sql in RESPONSE_EVENTS_SCHEMA:
+                await conn.execute(sql)
+
+    async def append_events(self, response_id: str, first_seq: int, events: list[Event]) -> None:
+        """Store ``events``, numbered from ``first_seq``, in one transaction."""
+        if not events:
+            return
+        async with self._db.write() as conn:
+            await conn.executemany(_INSERT_EVENT, [(response_id, first_seq + i, ev.type, ev.data, response_id)
+                                                   for i, ev in enumerate(events)])
+
+    async def events(self, response_id: str, after: int) -> list[Event]:
+        """The stored events of a response with a sequence number above ``after``."""
+        async with self._db.reader.execute(
+            "SELECT type, data FROM response_events WHERE response_id = ? AND seq > ? ORDER BY seq",
+            (response_id, after),
+        ) as cur:
+            return [Event(row[0], bytes(row[1])) for row in await cur.fetchall()]
 
     async def save(self, resp: ResponseObject, items: list[Item]) -> None:
         """Insert a response and its input items, atomically."""
@@ -168,10 +218,12 @@ class ResponseStore:
             return cur.rowcount
 
     async def interrupt_unfinished(self) -> int:
-        """At boot: background responses left queued or running become failed."""
+        """At boot: background responses left queued or running become failed,
+        and their stored events end with that ``response.failed``."""
         async with self._db.write() as conn:
             async with conn.execute(
-                "SELECT body FROM responses WHERE status IN (?, ?)", _UNFINISHED
+                "SELECT r.body, (SELECT MAX(e.seq) FROM response_events e WHERE e.response_id = r.id)"
+                " FROM responses r WHERE r.status IN (?, ?)", _UNFINISHED
             ) as cur:
                 rows = list(await cur.fetchall())
             for row in rows:
@@ -182,4 +234,6 @@ class ResponseStore:
                     "UPDATE responses SET status = ?, body = ? WHERE id = ?",
                     (resp.status, _body_encoder.encode(resp), resp.id),
                 )
+                seq = 0 if row[1] is None else int(row[1]) + 1
+                await conn.execute(_INSERT_EVENT, (resp.id, seq, "response.failed", _failed_event(resp, seq), resp.id))
             return len(rows)

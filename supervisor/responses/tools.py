@@ -1,0 +1,197 @@
+"""Which functions a request offers the model, and whose calls come back.
+
+A Responses request lists functions, namespaces of functions and hosted tools;
+a chat request lists functions only. The model is offered one flat list of
+functions: a namespaced one as ``namespace.name`` (templates and grammars
+know only flat names, and the dot keeps the grouping readable to the model),
+and a call to it comes back split again, with its ``namespace``. Hosted tools
+are never offered (nothing here runs them). ``allowed_tools`` narrows the
+offered list itself, so the model cannot call, or even see, the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, cast
+
+import msgspec
+
+from supervisor.errors import BadRequest
+
+ToolName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+class FunctionTool(msgspec.Struct, tag="function", tag_field="type", kw_only=True):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamespaceTool(msgspec.Struct, tag="namespace", tag_field="type", kw_only=True):
+    """Functions grouped under a name; each is offered to the model as
+    ``namespace.name`` and its calls come back with ``namespace`` set."""
+
+    name: ToolName
+    description: str = ""
+    tools: list[FunctionTool]
+
+
+class HostedTool(msgspec.Struct):
+    """A tool OpenAI runs on its side (search, code, images, MCP, shells...).
+
+    Nothing runs it here: it is accepted, so clients that always send one
+    work, but never offered to the model nor echoed in the response's
+    ``tools`` (the tools the model may call)."""
+
+
+# Every hosted type of the official SDK's ``Tool`` union.
+HOSTED_TOOL_TYPES = (
+    "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
+    "file_search", "code_interpreter", "image_generation", "computer", "computer_use_preview",
+    "mcp", "local_shell", "shell", "apply_patch", "tool_search", "programmatic_tool_calling",
+)
+
+
+def _hosted_struct(tool_type: str) -> type[HostedTool]:
+    name = "Hosted" + "".join(part.capitalize() for part in tool_type.split("_"))
+    return cast(type[HostedTool], msgspec.defstruct(name, [], bases=(HostedTool,), tag=tool_type, tag_field="type"))
+
+
+_HOSTED_STRUCTS = tuple(_hosted_struct(t) for t in HOSTED_TOOL_TYPES)
+
+if TYPE_CHECKING:
+    RequestTool = FunctionTool | NamespaceTool | HostedTool
+else:
+    RequestTool = Union[(FunctionTool, NamespaceTool, *_HOSTED_STRUCTS)]
+
+
+class NamedFunction(msgspec.Struct, tag="function", tag_field="type"):
+    name: str
+
+
+class AllowedTools(msgspec.Struct, tag="allowed_tools", tag_field="type", kw_only=True):
+    """Only these tools may be called; the model is offered no other."""
+
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, Any]]
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedFunction | AllowedTools
+# What the planner takes, once allowed_tools has narrowed the offered tools.
+PlanChoice = Literal["none", "auto", "required"] | NamedFunction
+
+_HOSTED = frozenset(HOSTED_TOOL_TYPES)
+
+
+def qualified(namespace: str, name: str) -> str:
+    return f"{namespace}.{name}"
+
+
+@dataclass(frozen=True)
+class Offer:
+    """The functions the model is offered, how it must call them, and the
+    namespace behind each qualified name."""
+
+    functions: list[FunctionTool] = field(default_factory=list)
+    choice: PlanChoice = "auto"
+    namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def split(self, name: str) -> tuple[str | None, str]:
+        """A called name as ``(namespace, name)``; namespace None for a plain function."""
+        return self.namespaces.get(name, (None, name))
+
+
+def _flatten(tools: list[RequestTool]) -> tuple[list[FunctionTool], dict[str, tuple[str, str]]]:
+    functions: list[FunctionTool] = []
+    namespaces: dict[str, tuple[str, str]] = {}
+    seen: set[str] = set()
+
+    def add(fn: FunctionTool, param: str) -> None:
+        if fn.name in seen:
+            raise BadRequest(f"duplicate tool name {fn.name!r}", param=param)
+        seen.add(fn.name)
+        functions.append(fn)
+
+    for i, tool in enumerate(tools):
+        if isinstance(tool, FunctionTool):
+            add(tool, f"tools[{i}].name")
+        elif isinstance(tool, NamespaceTool):
+            for j, fn in enumerate(tool.tools):
+                name = qualified(tool.name, fn.name)
+                add(msgspec.structs.replace(fn, name=name), f"tools[{i}].tools[{j}].name")
+                namespaces[name] = (tool.name, fn.name)
+    return functions, namespaces
+
+
+def _resolve_name(functions: list[FunctionTool], namespaces: dict[str, tuple[str, str]], name: str,
+                  namespace: str | None = None) -> str | None:
+    """The offered name a choice means: exact, qualified, or a namespaced function's own unique name."""
+    names = {fn.name for fn in functions}
+    wanted = qualified(namespace, name) if namespace else name
+    if wanted in names:
+        return wanted
+    if namespace:
+        return None
+    short = [q for q, (_, own) in namespaces.items() if own == name and q in names]
+    return short[0] if len(short) == 1 else None
+
+
+def _allowed_names(entry: Any, functions: list[FunctionTool], namespaces: dict[str, tuple[str, str]],
+                   param: str) -> set[str]:
+    kind = entry.get("type") if isinstance(entry, dict) else None
+    if kind in _HOSTED:
+        return set()  # allowed, but never offered: nothing here runs it
+    name = entry.get("name") if isinstance(entry, dict) else None
+    if kind == "namespace" and isinstance(name, str):
+        found = {q for q, (ns, _) in namespaces.items() if ns == name}
+        if not found:
+            raise BadRequest(f"allowed tool namespace {name!r} is not in tools", param=f"{param}.name")
+        return found
+    if kind != "function":
+        raise BadRequest(f"allowed tools are functions, namespaces or hosted tools, not {kind!r}",
+                         param=f"{param}.type")
+    ns = entry.get("namespace")
+    resolved = _resolve_name(functions, namespaces, name, ns if isinstance(ns, str) else None) \
+        if isinstance(name, str) else None
+    if resolved is None:
+        raise BadRequest(f"allowed tool {name!r} is not in tools", param=f"{param}.name")
+    return {resolved}
+
+
+def _narrow(functions: list[FunctionTool], namespaces: dict[str, tuple[str, str]], choice: AllowedTools,
+            param: str) -> Offer:
+    allowed: set[str] = set()
+    for k, entry in enumerate(choice.tools):
+        allowed |= _allowed_names(entry, functions, namespaces, f"{param}.tools[{k}]")
+    offered = [fn for fn in functions if fn.name in allowed]
+    if choice.mode == "required" and not offered:
+        raise BadRequest("allowed_tools mode 'required' needs at least one allowed function", param=param)
+    return Offer(offered, choice.mode, namespaces)
+
+
+def resolve(functions: list[FunctionTool], choice: ToolChoice, *,
+            namespaces: dict[str, tuple[str, str]] | None = None, param: str = "tool_choice") -> Offer:
+    """What ``choice`` offers among ``functions``; ``param`` names the choice in errors."""
+    namespaces = namespaces or {}
+    if isinstance(choice, AllowedTools):
+        return _narrow(functions, namespaces, choice, param)
+    if isinstance(choice, NamedFunction):
+        name = _resolve_name(functions, namespaces, choice.name)
+        if name is None:
+            raise BadRequest(f"tool_choice names {choice.name!r}, which is not in tools", param=f"{param}.name")
+        return Offer(functions, NamedFunction(name), namespaces)
+    if choice == "required" and not functions:
+        raise BadRequest("tool_choice 'required' needs at least one tool", param=param)
+    return Offer(functions, choice, namespaces)
+
+
+def offer(tools: list[RequestTool], choice: ToolChoice) -> Offer:
+    """The offer of a Responses request's ``tools`` under ``tool_choice``."""
+    functions, namespaces = _flatten(tools)
+    return resolve(functions, choice, namespaces=namespaces)
+
+
+def echoed(tools: list[RequestTool]) -> list[FunctionTool | NamespaceTool]:
+    """The tools a response lists: the ones the model may call (hosted ones are not)."""
+    return [t for t in tools if isinstance(t, FunctionTool | NamespaceTool)]
