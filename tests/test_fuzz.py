@@ -491,3 +491,20 @@ def test_a_stalled_body_gets_408_and_the_connection_closes(
     assert head.startswith(b"HTTP/1.1 408"), received[:300]
     assert json.loads(body)["error"]["code"] == "request_timeout"
     _alive(srv)
+
+
+def test_deeply_nested_tool_parameters_are_a_400(fuzz_server: Server) -> None:
+    # 400 levels overflowed the parent's grammar builder: a 500 before.
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(400):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    r = _chat(fuzz_server, tool_choice="required",
+              tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "tools"
+    r = httpx.post(fuzz_server.base_url + "/v1/responses", timeout=REQUEST_TIMEOUT, json={
+        "model": fuzz_server.model, "input": "hi", "store": False, "max_output_tokens": 4,
+        "tool_choice": "required", "tools": [{"type": "function", "name": "f", "parameters": schema}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "tools"
+    _alive(fuzz_server)

@@ -44,6 +44,9 @@ class SchemaError(ValueError):
 
 
 _TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
+# Schemas nest no deeper than this (real ones: a handful of levels); deeper
+# nesting would exhaust the stack of this converter and of llama.cpp's parser.
+MAX_SCHEMA_DEPTH = 64
 
 
 class SchemaGrammar:
@@ -59,6 +62,7 @@ class SchemaGrammar:
         self.rules: dict[str, str] = dict(_BASE_RULES)
         self._root_schema: dict[str, Any] = {}
         self._suffix: dict[str, int] = {}
+        self._depth = 0
         self.strict = strict
 
     def _loose(self, why: str) -> str:
@@ -90,7 +94,13 @@ class SchemaGrammar:
             return "value"
         if not isinstance(schema, dict):
             return self._loose(f"{hint}: a schema must be an object, not {type(schema).__name__}")
-        return self._convert(schema, hint)
+        if self._depth >= MAX_SCHEMA_DEPTH:
+            raise SchemaError(f"the schema nests more than {MAX_SCHEMA_DEPTH} levels deep")
+        self._depth += 1
+        try:
+            return self._convert(schema, hint)
+        finally:
+            self._depth -= 1
 
     def _convert(self, schema: dict[str, Any], hint: str) -> str:
         if "$ref" in schema:

@@ -36,6 +36,7 @@ from supervisor.responses.parse import (
 from supervisor.responses.profile import TemplateProfile, profile_for
 from supervisor.responses.tools import FunctionTool, NamedFunction, Offer, PlanChoice
 from worker.protocol import ChatMessage, Delta, Done, ModelFacts, SamplingParams
+from worker.schema_gbnf import SchemaError
 
 # The Responses API's include value that asks for output-text logprobs.
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -187,13 +188,17 @@ def _constrain_calls(
     grammar that replaces any output format; else cap "auto" at one call."""
     if choice == "required" or isinstance(choice, NamedFunction):
         chosen = [t for t in tools if not isinstance(choice, NamedFunction) or t.name == choice.name]
-        params.grammar = tool_call_grammar(
-            [(t.name, t.parameters) for t in chosen],
-            style=profile.tool_style,
-            parallel=parallel and not isinstance(choice, NamedFunction),
-            # The template opened a think block: the call follows its end, as the model writes it.
-            prefix="</think>\n\n" if profile.starts_in_reasoning else "",
-        )
+        try:
+            params.grammar = tool_call_grammar(
+                [(t.name, t.parameters) for t in chosen],
+                style=profile.tool_style,
+                parallel=parallel and not isinstance(choice, NamedFunction),
+                # The template opened a think block: the call follows its end, as the model writes it.
+                prefix="</think>\n\n" if profile.starts_in_reasoning else "",
+            )
+        except SchemaError as exc:
+            raise BadRequest(f"a tool's parameters cannot be enforced: {exc}", param="tools",
+                             code="invalid_grammar") from exc
         params.json_schema, params.json_object = None, False
     elif tools and choice == "auto" and not parallel and profile.tool_style == "hermes":
         # One call at most: stop at the end of the first; the parser closes it.
