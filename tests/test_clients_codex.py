@@ -40,7 +40,7 @@ CODEX = REPO / ".venv" / "codex" / "node_modules" / ".bin" / "codex"
 N_CTX = 32768
 TURN_TIMEOUT_S = 150
 
-pytestmark = pytest.mark.timeout(2 * TURN_TIMEOUT_S + 60)
+pytestmark = pytest.mark.timeout(4 * TURN_TIMEOUT_S + 120)  # room for a second session
 
 
 def codex_binary() -> str | None:
@@ -115,12 +115,8 @@ def _namespace_problem() -> str | None:
     return None
 
 
-def test_codex_exec_completes_a_turn_and_a_resumed_one() -> None:
-    if codex_binary() is None:
-        pytest.skip("the Codex CLI is not installed (npm install --prefix .venv/codex @openai/codex)")
-    problem = _namespace_problem()
-    if problem is not None:
-        pytest.skip(problem)
+def _session() -> dict[str, Any]:
+    """The service and two Codex turns in a private network namespace."""
     work = short_tempdir("gvcx")
     try:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -128,14 +124,28 @@ def test_codex_exec_completes_a_turn_and_a_resumed_one() -> None:
         proc = subprocess.run(["unshare", "-n", sys.executable, "-c", script], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=2 * TURN_TIMEOUT_S + 45, check=False)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        results = json.loads((work / "results.json").read_text())
+        return dict(json.loads((work / "results.json").read_text()))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_codex_exec_completes_a_turn_and_a_resumed_one() -> None:
+    if codex_binary() is None:
+        pytest.skip("the Codex CLI is not installed (npm install --prefix .venv/codex @openai/codex)")
+    problem = _namespace_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    results = _session()
+    if results["log"].count("POST /v1/responses 200") == 1 and "POST /v1/responses 499" in results["log"]:
+        # Seen once in six runs: the CLI closed the resumed turn's request
+        # after ~40 ms and still exited 0. One fresh session more, not a
+        # retry of our answer: the assertions below hold for the new one.
+        results = _session()
     first, resumed = results["first"], results["resumed"]
     assert first["rc"] == 0, first["output"] + results["log"]
     assert resumed["rc"] == 0, resumed["output"] + results["log"]
     # Each turn is one streamed response; the resumed one carries the first turn too.
-    assert results["log"].count("POST /v1/responses 200") == 2, results["log"]
+    assert results["log"].count("POST /v1/responses 200") == 2, resumed["output"] + results["log"]
     assert first["tokens"] and first["tokens"] > 10_000, first["output"]
     assert resumed["tokens"] and resumed["tokens"] > first["tokens"], (first, resumed)
     print(f"codex: {first['tokens']} tokens in {first['seconds']} s, resumed {resumed['tokens']} "
