@@ -40,7 +40,7 @@ CODEX = REPO / ".venv" / "codex" / "node_modules" / ".bin" / "codex"
 N_CTX = 32768
 TURN_TIMEOUT_S = 150
 
-pytestmark = pytest.mark.timeout(4 * TURN_TIMEOUT_S + 120)  # room for a second session
+pytestmark = pytest.mark.timeout(2 * TURN_TIMEOUT_S + 60)
 
 
 def codex_binary() -> str | None:
@@ -136,16 +136,16 @@ def test_codex_exec_completes_a_turn_and_a_resumed_one() -> None:
     if problem is not None:
         pytest.skip(problem)
     results = _session()
-    if results["log"].count("POST /v1/responses 200") == 1 and "POST /v1/responses 499" in results["log"]:
-        # Seen once in six runs: the CLI closed the resumed turn's request
-        # after ~40 ms and still exited 0. One fresh session more, not a
-        # retry of our answer: the assertions below hold for the new one.
-        results = _session()
     first, resumed = results["first"], results["resumed"]
     assert first["rc"] == 0, first["output"] + results["log"]
     assert resumed["rc"] == 0, resumed["output"] + results["log"]
     # Each turn is one streamed response; the resumed one carries the first turn too.
-    assert results["log"].count("POST /v1/responses 200") == 2, resumed["output"] + results["log"]
+    # A resumed turn served from the prompt cache can end within ~50 ms, and
+    # the CLI may close the connection as soon as it has response.completed:
+    # the access log then says 499 for a complete answer, so count requests.
+    requests = re.findall(r"POST /v1/responses (\d{3})", results["log"])
+    assert len(requests) == 2 and set(requests) <= {"200", "499"}, resumed["output"] + results["log"]
+    assert requests[0] == "200", results["log"]
     assert first["tokens"] and first["tokens"] > 10_000, first["output"]
     assert resumed["tokens"] and resumed["tokens"] > first["tokens"], (first, resumed)
     print(f"codex: {first['tokens']} tokens in {first['seconds']} s, resumed {resumed['tokens']} "
