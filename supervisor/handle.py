@@ -717,7 +717,7 @@ def read_log_tail(path: Path, start: int = 0, lines: int = LOG_TAIL_LINES,
             f.seek(begin)
             data = f.read(max_bytes)
     except FileNotFoundError:
-        return ""
+        return ""  # the worker died before writing any log: no tail to show
     all_lines = data.decode("utf-8", errors="replace").splitlines()
     if begin > origin and all_lines:
         all_lines = all_lines[1:]  # the window began mid-line
