@@ -42,6 +42,7 @@ MIB = 1024 * 1024
 # Builds the engine exactly as a worker does; only the log level is raised,
 # because the buffer sizes are logged at info level.
 _LOAD = r"""
+import os
 import sys
 import xllamacpp
 from worker.engine import EngineOptions, engine_params
@@ -53,6 +54,10 @@ params = engine_params(opts)
 params.verbosity = 4
 server = xllamacpp.Server(params)
 print("loaded", flush=True)
+sys.stderr.flush()
+# The engine's destructor can hang at interpreter exit (the worker leaves
+# the same way, for the same reason).
+os._exit(0)
 """
 
 _KV_LINE = re.compile(
