@@ -21,14 +21,8 @@ import aiohttp
 from aiohttp import web
 
 from jobs.params import Roots
-from jobs.store import JOBS_SCHEMA, JobStore
-from supervisor.config import Config
-from supervisor.db import Database
-from supervisor.errors import ApiError
-from supervisor.httputil import error_response
-from supervisor.keys import CONFIG
-from supervisor.lease import GpuLease, cpu_device
-from supervisor.routes_jobs import (
+from supervisor.api.io import error_response
+from supervisor.api.jobs import (
     JOB_RUNNER,
     JOB_SETTINGS,
     JOB_STORE,
@@ -36,7 +30,13 @@ from supervisor.routes_jobs import (
     JobSettings,
     add_routes,
 )
-from supervisor.runner import JobRunner, RunnerSettings
+from supervisor.appkeys import CONFIG
+from supervisor.config import Config
+from supervisor.db import Database
+from supervisor.errors import ApiError
+from supervisor.lab.lease import GpuLease, cpu_device
+from supervisor.lab.runner import JobRunner, RunnerSettings
+from supervisor.lab.store import JOBS_SCHEMA, JobStore
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 TARGET_SUBMITS = 500.0

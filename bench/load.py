@@ -37,7 +37,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from supervisor.demo_model import write_tiny_gguf  # noqa: E402
+from supervisor.models.demo import write_tiny_gguf  # noqa: E402
 from tests.server import Server, short_tempdir  # noqa: E402
 
 TTFT_METRIC = "gpuvisor_time_to_first_token_seconds"

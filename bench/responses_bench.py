@@ -113,7 +113,7 @@ def main() -> int:
     args = ap.parse_args()
     repo = Path(__file__).resolve().parent.parent
     sys.path.insert(0, str(repo))
-    from supervisor.demo_model import write_tiny_gguf
+    from supervisor.models.demo import write_tiny_gguf
     from tests.server import Server, short_tempdir
 
     model = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="gvrb")) / "tiny.gguf")

@@ -20,7 +20,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from supervisor.demo_model import write_tiny_gguf  # noqa: E402
+from supervisor.models.demo import write_tiny_gguf  # noqa: E402
 from tests.server import Server, short_tempdir  # noqa: E402
 
 PROMPTS = {

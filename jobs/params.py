@@ -13,7 +13,6 @@ params carry the resolved absolute paths, so the job process trusts them.
 from __future__ import annotations
 
 import functools
-
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -239,7 +238,7 @@ def decode_params(kind: str, raw: Mapping[str, Any]) -> JobParams:
     try:
         return msgspec.convert(dict(raw), spec.params)
     except msgspec.ValidationError as exc:
-        # Not supervisor.httputil's helper: the job process imports this module
+        # Not supervisor.api.io's helper: the job process imports this module
         # and should not pay for importing aiohttp.
         at = _AT.search(str(exc)) or _UNKNOWN.search(str(exc))
         field = at.group(1) if at else None

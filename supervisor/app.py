@@ -18,21 +18,25 @@ from pathlib import Path
 from aiohttp import web
 
 from jobs.params import Roots
-from jobs.store import JOBS_SCHEMA, JobStore
-from supervisor import responses, routes_jobs, routes_models, routes_openai, routes_web
-from supervisor import auth, logs, metrics, openapi, proxies, shutdown
+from supervisor import logs, responses
+from supervisor.api import auth, metrics, openapi, proxies, shutdown
+from supervisor.api import jobs as routes_jobs
+from supervisor.api import models as routes_models
+from supervisor.api import openai as routes_openai
+from supervisor.api import web as routes_web
+from supervisor.api.io import answer_and_close, error_response, json_response
+from supervisor.appkeys import CONFIG, DB, ENGINE_CHECK, LIBRARY, POOL, STARTED_AT
 from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
-from supervisor.handle import Timing
-from supervisor.httputil import answer_and_close, error_response, json_response
-from supervisor.engine_check import EngineCheck
-from supervisor.keys import CONFIG, DB, ENGINE_CHECK, LIBRARY, POOL, STARTED_AT
-from supervisor.lease import GpuLease, detect_devices
-from supervisor.library import ModelLibrary
-from supervisor.models_dir import LibrarySource, ensure_demo_model
-from supervisor.pool import WorkerPool
-from supervisor.runner import JobRunner, RunnerSettings
+from supervisor.lab.lease import GpuLease, detect_devices
+from supervisor.lab.runner import JobRunner, RunnerSettings
+from supervisor.lab.store import JOBS_SCHEMA, JobStore
+from supervisor.models.library import ModelLibrary
+from supervisor.models.source import LibrarySource, ensure_demo_model
+from supervisor.workers.engine_check import EngineCheck
+from supervisor.workers.handle import Timing
+from supervisor.workers.pool import WorkerPool
 
 log = logging.getLogger("gpuvisor.http")
 

@@ -17,10 +17,13 @@ import msgspec
 import uvloop
 from aiohttp import web
 
-from supervisor import logs, proxies, service_cli, systemd
+from supervisor import logs
+from supervisor.api import proxies
+from supervisor.api.shutdown import SHUTDOWN
 from supervisor.app import build_app
 from supervisor.config import Config, ConfigError, load_config
-from supervisor.shutdown import SHUTDOWN
+from supervisor.service import commands as service_cli
+from supervisor.service import systemd
 
 log = logging.getLogger("gpuvisor")
 

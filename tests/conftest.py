@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.demo_model import write_tiny_gguf
+from supervisor.models.demo import write_tiny_gguf
 from tests.server import Server, running, short_tempdir
 
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobs.params import Roots
-from jobs.store import JOBS_SCHEMA, Job, JobStore
 from supervisor.db import Database
-from supervisor.lease import GpuLease, cpu_device
-from supervisor.runner import JobRunner, RunnerSettings
+from supervisor.lab.lease import GpuLease, cpu_device
+from supervisor.lab.runner import JobRunner, RunnerSettings
+from supervisor.lab.store import JOBS_SCHEMA, Job, JobStore
 
 
 class FakeClock:

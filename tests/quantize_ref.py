@@ -1,7 +1,7 @@
 """The quantizer's reference data: llama.cpp's own outputs, stored as digests.
 
 ``tests/fixtures/quantize/reference.json`` holds, for tiny random models that
-:func:`supervisor.demo_model.write_tiny_gguf` regenerates from a seed, what
+:func:`supervisor.models.demo.write_tiny_gguf` regenerates from a seed, what
 llama.cpp's ``llama_model_quantize`` wrote for each type: every tensor's name,
 ggml type and the sha256 of its bytes, and the sha256 of the whole file.
 ``tests/fixtures/quantize/make_reference.py`` made it.
@@ -20,7 +20,7 @@ from typing import Any
 
 import gguf
 
-from supervisor.demo_model import write_tiny_gguf
+from supervisor.models.demo import write_tiny_gguf
 
 FIXTURE = Path(__file__).parent / "fixtures" / "quantize" / "reference.json"
 

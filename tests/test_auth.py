@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from supervisor.auth import (
+from supervisor.api.auth import (
     Auth,
     Principal,
     hash_secret,

@@ -23,13 +23,13 @@ from aiohttp.test_utils import TestServer
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from supervisor import keys
+from supervisor import appkeys
+from supervisor.api.openai import add_routes, chat_delta, chat_message
 from supervisor.app import error_middleware
 from supervisor.config import Config
 from supervisor.errors import BadRequest
-from supervisor.pool import WorkerPool
-from supervisor.responses.parse import Reasoning, Text, ToolCall
-from supervisor.routes_openai import add_routes, chat_delta, chat_message
+from supervisor.generation.parse import Reasoning, Text, ToolCall
+from supervisor.workers.pool import WorkerPool
 from tests.server import Server
 from worker.protocol import ChatMessage, Delta, Done, ModelFacts, SamplingParams
 
@@ -113,8 +113,8 @@ class ScriptedPool:
 async def serving(pool: ScriptedPool, state_dir: Any, keepalive_s: float = 10.0) -> AsyncIterator[str]:
     """The chat routes over the scripted pool on a real socket; yields the chat URL."""
     app = web.Application(middlewares=[error_middleware])
-    app[keys.CONFIG] = Config(state_dir=str(state_dir), max_body_bytes=1 << 20, responses_keepalive_s=keepalive_s)
-    app[keys.POOL] = cast(WorkerPool, pool)
+    app[appkeys.CONFIG] = Config(state_dir=str(state_dir), max_body_bytes=1 << 20, responses_keepalive_s=keepalive_s)
+    app[appkeys.POOL] = cast(WorkerPool, pool)
     add_routes(app)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()

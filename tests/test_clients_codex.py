@@ -32,7 +32,7 @@ from typing import Any
 import gguf
 import pytest
 
-from supervisor.demo_model import write_tiny_gguf
+from supervisor.models.demo import write_tiny_gguf
 from tests.server import REPO, Server, running, short_tempdir
 
 CODEX = REPO / ".venv" / "codex" / "node_modules" / ".bin" / "codex"

@@ -24,11 +24,11 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
-from supervisor.demo_model import write_tiny_gguf
-from supervisor.responses.parse import Reasoning, Text, ToolCall
-from supervisor.responses.profile import profile_for
+from supervisor.generation.parse import Reasoning, Text, ToolCall
+from supervisor.generation.profile import profile_for
+from supervisor.generation.tools import FunctionTool
+from supervisor.models.demo import write_tiny_gguf
 from supervisor.responses.runner import tool_plan
-from supervisor.responses.tools import FunctionTool
 from tests.server import Server, running, short_tempdir
 from tests.test_real_templates import FAMILIES, MARKUP, Family, by_name
 from tests.test_real_templates import WEATHER as REAL_WEATHER

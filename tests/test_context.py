@@ -8,7 +8,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from supervisor.demo_model import write_tiny_gguf
+from supervisor.models.demo import write_tiny_gguf
 from tests.server import Server, short_tempdir
 
 pytestmark = pytest.mark.timeout(180)

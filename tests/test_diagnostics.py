@@ -20,14 +20,14 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.handle import (
+from supervisor.logs import access_level
+from supervisor.workers.handle import (
     FAULT_MARKER,
     crash_reason,
     exit_reason,
     load_failure_reason,
     read_log_tail,
 )
-from supervisor.logs import access_level
 from tests.browser import DESKTOP, PageWatch, launch, require_browser
 from tests.server import FAST_ENV, REPO, Server, short_tempdir
 

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from jobs.download_params import DownloadParams, parse_download_params, parse_pull_spec
-from supervisor.library import ModelLibrary
+from supervisor.models.library import ModelLibrary
 from tests import gguf_headers as hdr
 from tests.fake_hub import FakeFile, FakeHub, FakeRepo
 

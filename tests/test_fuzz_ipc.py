@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from jobs.events import JobEvent  # noqa: E402
-from supervisor.job_process import EventFramer  # noqa: E402
+from supervisor.lab.job_process import EventFramer  # noqa: E402
 from worker import protocol as p  # noqa: E402
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -5,8 +5,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from supervisor.demo_model import write_tiny_gguf
-from supervisor.gguf_info import GgufError, read_gguf_info, template_features
+from supervisor.models.demo import write_tiny_gguf
+from supervisor.models.gguf_info import GgufError, read_gguf_info, template_features
 from tests import gguf_headers as hdr
 
 

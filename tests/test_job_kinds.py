@@ -21,8 +21,8 @@ from jobs.params import (
     params_dict,
     validate_params,
 )
-from supervisor.demo_model import write_tiny_gguf
 from supervisor.errors import BadRequest
+from supervisor.models.demo import write_tiny_gguf
 from tests.jobsupport import make_roots, running_lab, wait_finished
 from tests.quantize_ref import generated_tokens
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 
 from jobs.context import EXIT_STOPPED
-from supervisor.job_process import EventFramer, group_alive
+from supervisor.lab.job_process import EventFramer, group_alive
 from tests.jobsupport import open_store, running_lab, wait_finished, wait_for
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,9 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobs.store import JOBS_SCHEMA
 from supervisor.errors import Conflict, NotFound
-from supervisor.job_process import kill_leftover_group
+from supervisor.lab.job_process import kill_leftover_group
+from supervisor.lab.store import JOBS_SCHEMA
 from tests.jobsupport import FakeClock, open_store
 
 

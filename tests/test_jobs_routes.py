@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -14,11 +13,8 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from supervisor.config import Config
-from supervisor.errors import ApiError
-from supervisor.httputil import error_response
-from supervisor.keys import CONFIG
-from supervisor.routes_jobs import (
+from supervisor.api.io import error_response
+from supervisor.api.jobs import (
     JOB_RUNNER,
     JOB_SETTINGS,
     JOB_STORE,
@@ -26,6 +22,9 @@ from supervisor.routes_jobs import (
     JobSettings,
     add_routes,
 )
+from supervisor.appkeys import CONFIG
+from supervisor.config import Config
+from supervisor.errors import ApiError
 from tests.jobsupport import Lab, running_lab, wait_finished, wait_for
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

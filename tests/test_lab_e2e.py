@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from supervisor.demo_model import write_tiny_gguf
+from supervisor.models.demo import write_tiny_gguf
 from tests.server import Server, short_tempdir
 
 

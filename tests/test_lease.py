@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from supervisor.lease import (
+from supervisor.lab.lease import (
     CPU,
     Device,
     GpuLease,

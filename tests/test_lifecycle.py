@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from supervisor.demo_model import write_tiny_gguf
+from supervisor.models.demo import write_tiny_gguf
 from tests.server import Server, short_tempdir
 
 

@@ -5,14 +5,13 @@ from pathlib import Path
 import gguf
 import pytest
 
-from supervisor import pool as pool_module
+from supervisor.api.models import describe_model
 from supervisor.app import timing_from
 from supervisor.config import Config, ModelSettings
-from supervisor.demo_model import write_tiny_gguf
-from supervisor.gguf_info import GgufError, GgufInfo, TensorSizes, read_gguf_info
-from supervisor.handle import WorkerHandle, WorkerState
-from supervisor.library import ModelEntry
-from supervisor.memfit import (
+from supervisor.models.demo import write_tiny_gguf
+from supervisor.models.gguf_info import GgufError, GgufInfo, TensorSizes, read_gguf_info
+from supervisor.models.library import ModelEntry
+from supervisor.models.memfit import (
     CACHE_TYPE_SIZES,
     DoesNotFit,
     KvOptions,
@@ -22,9 +21,10 @@ from supervisor.memfit import (
     gib,
     kv_cache_bytes,
 )
-from supervisor.placement import GPU_RUNTIME_RESERVE, shard_tensor_sizes
-from supervisor.pool import WorkerPool
-from supervisor.routes_models import describe_model
+from supervisor.models.placement import GPU_RUNTIME_RESERVE, shard_tensor_sizes
+from supervisor.workers import pool as pool_module
+from supervisor.workers.handle import WorkerHandle, WorkerState
+from supervisor.workers.pool import WorkerPool
 from tests import gguf_headers as hdr
 
 GIB = 1024**3

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.metrics import histogram_buckets
+from supervisor.api.metrics import histogram_buckets
 from tests.server import Server
 
 

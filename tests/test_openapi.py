@@ -13,10 +13,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from jobs.params import job_kinds
-from supervisor import openapi
+from supervisor.api import openapi
+from supervisor.api.openai_types import ChatRequest
 from supervisor.app import build_app
 from supervisor.config import Config
-from supervisor.openai_types import ChatRequest
 from supervisor.responses.models import CreateRequest
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.demo_model import write_tiny_gguf
+from supervisor.models.demo import write_tiny_gguf
 from tests.server import Server, short_tempdir
 
 pytestmark = pytest.mark.timeout(180)

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.proxies import TrustedProxies, parse_networks
+from supervisor.api.proxies import TrustedProxies, parse_networks
 from tests.server import Server
 
 # The nginx and backend fixtures, shared with the UI-through-nginx test.

@@ -31,19 +31,19 @@ from aiohttp.test_utils import TestServer
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from supervisor import keys
+from supervisor import appkeys
+from supervisor.api.openai import add_routes
 from supervisor.app import error_middleware
 from supervisor.config import Config
 from supervisor.db import Database
-from supervisor.demo_model import write_tiny_gguf
-from supervisor.pool import WorkerPool
+from supervisor.generation.grammar import ToolStyle
+from supervisor.generation.parse import Piece, Reasoning, Text, ToolCall
+from supervisor.generation.profile import profile_for
+from supervisor.models.demo import write_tiny_gguf
 from supervisor.responses import RESPONSES_SCHEMA, setup
-from supervisor.responses.grammar import ToolStyle
 from supervisor.responses.models import FunctionTool
-from supervisor.responses.parse import Piece, Reasoning, Text, ToolCall
-from supervisor.responses.profile import profile_for
 from supervisor.responses.runner import tool_plan
-from supervisor.routes_openai import add_routes
+from supervisor.workers.pool import WorkerPool
 from tests.server import Server, running, short_tempdir
 from worker.chat_template import ChatRenderer, TemplateError
 from worker.protocol import ChatMessage, Delta, Done, ModelFacts, SamplingParams
@@ -419,13 +419,13 @@ async def replay(tmp_path: Path) -> AsyncIterator[tuple[Replay, str]]:
     """Chat completions and the Responses API over a replaying pool; yields the base URL."""
     pool = Replay()
     app = web.Application(middlewares=[error_middleware])
-    app[keys.CONFIG] = Config(state_dir=str(tmp_path), max_body_bytes=1 << 20)
+    app[appkeys.CONFIG] = Config(state_dir=str(tmp_path), max_body_bytes=1 << 20)
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         db = Database(tmp_path / "gv.db", [RESPONSES_SCHEMA])
         await db.open()
-        app[keys.DB] = db
-        app[keys.POOL] = cast(WorkerPool, pool)
+        app[appkeys.DB] = db
+        app[appkeys.POOL] = cast(WorkerPool, pool)
         yield
         await db.close()
 

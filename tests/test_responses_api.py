@@ -20,23 +20,23 @@ import aiohttp
 import msgspec
 import openai
 import pytest
-from backports import zstd
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from backports import zstd
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from supervisor import keys
+from supervisor import appkeys
 from supervisor.app import error_middleware
 from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.errors import BadRequest, UpstreamError
-from supervisor.pool import WorkerPool
 from supervisor.responses import RESPONSES, RESPONSES_SCHEMA, setup
 from supervisor.responses.background import BackgroundTasks
 from supervisor.responses.models import CreateRequest, decode_items
 from supervisor.responses.objects import new_response
 from supervisor.responses.store import ResponseStore
+from supervisor.workers.pool import WorkerPool
 from tests.responses_fake import MODEL, FakePool
 from worker.protocol import ChatMessage, Delta, Done
 
@@ -55,13 +55,13 @@ class Api:
 
 def build_app(pool: FakePool, db_path: Path, keepalive_s: float) -> web.Application:
     app = web.Application(middlewares=[error_middleware])
-    app[keys.CONFIG] = Config(state_dir=str(db_path.parent), max_body_bytes=1 << 20)
+    app[appkeys.CONFIG] = Config(state_dir=str(db_path.parent), max_body_bytes=1 << 20)
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         db = Database(db_path, [RESPONSES_SCHEMA])
         await db.open()
-        app[keys.DB] = db
-        app[keys.POOL] = cast(WorkerPool, pool)
+        app[appkeys.DB] = db
+        app[appkeys.POOL] = cast(WorkerPool, pool)
         yield
         await db.close()
 
@@ -337,7 +337,7 @@ async def test_store_false_writes_nothing(api: Api) -> None:
     assert resp.status == "completed"
     with pytest.raises(openai.NotFoundError):
         await api.client.responses.retrieve(resp.id)
-    db = api.app[keys.DB]
+    db = api.app[appkeys.DB]
     async with db.conn.execute("SELECT COUNT(*) FROM responses") as cur:
         assert (await cur.fetchone())[0] == 0  # type: ignore[index]
 
@@ -497,7 +497,7 @@ async def test_malformed_input_names_the_field(api: Api, body: dict[str, Any], p
 
 async def test_prune_removes_old_finished_responses(api: Api) -> None:
     old = await api.client.responses.create(model=MODEL, input="x")
-    store = ResponseStore(api.app[keys.DB])
+    store = ResponseStore(api.app[appkeys.DB])
     assert await store.prune(older_than=old.created_at - 1) == 0
     assert await store.prune(older_than=old.created_at + 1) == 1
     assert await store.get(old.id) is None

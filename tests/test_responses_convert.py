@@ -5,12 +5,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from supervisor.api.io import decode_json
 from supervisor.errors import BadRequest
-from supervisor.httputil import decode_json
+from supervisor.generation.profile import profile_for
 from supervisor.responses.convert import template_tools, to_messages
 from supervisor.responses.items import FunctionCallItem, Item, MessageItem, OutputText
 from supervisor.responses.models import CreateRequest, decode_items, validate
-from supervisor.responses.profile import profile_for
 from worker.protocol import ChatMessage
 
 

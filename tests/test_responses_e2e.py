@@ -17,7 +17,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from supervisor.demo_model import write_tiny_gguf
+from supervisor.models.demo import write_tiny_gguf
 from tests.server import Server, short_tempdir
 
 EVENT = TypeAdapter(ResponseStreamEvent)

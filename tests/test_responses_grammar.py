@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from supervisor.responses.grammar import (
+from supervisor.generation.grammar import (
     SchemaGrammar,
     ToolStyle,
     gbnf_literal,
     tool_call_grammar,
 )
-from supervisor.responses.parse import OutputParser, Piece, ToolCall
+from supervisor.generation.parse import OutputParser, Piece, ToolCall
 
 WEATHER = {
     "type": "object",
@@ -97,7 +97,7 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The engine the worker runs, in-process, its listener on a private socket."""
     import xllamacpp
 
-    from supervisor.demo_model import write_tiny_gguf
+    from supervisor.models.demo import write_tiny_gguf
     from tests.server import short_tempdir
 
     path = write_tiny_gguf(Path(tmp_path_factory.mktemp("gram")) / "tiny.gguf")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from supervisor.responses.parse import OutputParser, Piece, Reasoning, Text, ToolCall
+from supervisor.generation.parse import OutputParser, Piece, Reasoning, Text, ToolCall
 
 NAMES = frozenset({"get_weather", "add"})
 

@@ -16,8 +16,15 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor import auth as auth_mod
-from supervisor.auth import Auth, FailureLimiter, Principal, TooManyRequests, hash_secret, new_api_key
+from supervisor.api import auth as auth_mod
+from supervisor.api.auth import (
+    Auth,
+    FailureLimiter,
+    Principal,
+    TooManyRequests,
+    hash_secret,
+    new_api_key,
+)
 from tests.server import REPO, Server, running, short_tempdir
 
 pytestmark = pytest.mark.timeout(120)

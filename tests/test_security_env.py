@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.job_process import child_environ, job_environ
+from supervisor.lab.job_process import child_environ, job_environ
 from tests.server import Server, running, short_tempdir
 
 pytestmark = pytest.mark.timeout(120)

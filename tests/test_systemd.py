@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from supervisor.systemd import Notifier, install, keepalive, render_unit
+from supervisor.service.systemd import Notifier, install, keepalive, render_unit
 from tests.server import REPO, Server, short_tempdir
 
 

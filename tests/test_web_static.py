@@ -13,9 +13,9 @@ import pytest
 from aiohttp import web
 
 from jobs.params import job_kinds
-from supervisor import routes_web
+from supervisor.api import web as routes_web
+from supervisor.api.web import AssetTable
 from supervisor.app import error_middleware
-from supervisor.routes_web import AssetTable
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -198,7 +198,7 @@ async def test_job_schema_route(base: tuple[str, int]) -> None:
 
 
 def test_schema_routes_register_once() -> None:
-    from supervisor import routes_schema
+    from supervisor.api import schema as routes_schema
 
     app = web.Application()
     routes_web.add_routes(app)

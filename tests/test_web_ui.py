@@ -248,7 +248,7 @@ def test_chat_streams_text_and_shows_usage(page: tuple[Any, PageWatch], server: 
 
 
 def test_stop_button_cancels_generation(browser: Any, start_server: Any, tiny_model_path: Path) -> None:
-    from supervisor.demo_model import write_tiny_gguf
+    from supervisor.models.demo import write_tiny_gguf
     from tests.server import short_tempdir
 
     # A long context so the generation surely outlasts the click on Stop.

@@ -1,6 +1,6 @@
 """Loadable tiny random-weight GGUF models of architectures beyond llama.
 
-Like :func:`supervisor.demo_model.write_tiny_gguf`: F32 random weights under
+Like :func:`supervisor.models.demo.write_tiny_gguf`: F32 random weights under
 the architecture's real tensor names and header keys, and the demo model's
 SentencePiece-style vocab, so that llama.cpp loads them and builds a context.
 The output is gibberish; the models exist to measure what the engine
@@ -15,7 +15,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from supervisor.demo_model import CHATML_TEMPLATE, _vocab
+from supervisor.models.demo import CHATML_TEMPLATE, _vocab
 
 
 def write_tiny_gemma3(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from supervisor.errors import BadRequest
+from supervisor.generation.tools import FunctionTool
 from supervisor.responses.items import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -19,7 +20,6 @@ from supervisor.responses.items import (
     MessageItem,
     ReasoningItem,
 )
-from supervisor.responses.tools import FunctionTool
 from worker.protocol import ChatMessage
 
 

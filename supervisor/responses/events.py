@@ -27,6 +27,7 @@ from typing import Any, Literal, NamedTuple
 
 import msgspec
 
+from supervisor.generation.parse import Piece, Reasoning, Text, ToolCall
 from supervisor.responses.items import (
     FunctionCallItem,
     Item,
@@ -44,7 +45,6 @@ from supervisor.responses.objects import (
     Usage,
     snapshot,
 )
-from supervisor.responses.parse import Piece, Reasoning, Text, ToolCall
 
 _encoder = msgspec.json.Encoder()
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from supervisor import keys
+from supervisor import appkeys
 from supervisor.db import Database
 from supervisor.errors import Unavailable
 from supervisor.responses.background import (
@@ -63,7 +63,7 @@ class ResponsesApi:
 
     async def context(self, app: web.Application) -> AsyncIterator[None]:
         """For ``app.cleanup_ctx``; registered after the pool's and the database's."""
-        await self.start(app[keys.POOL], app[keys.DB])
+        await self.start(app[appkeys.POOL], app[appkeys.DB])
         try:
             yield
         finally:

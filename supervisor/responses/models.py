@@ -14,17 +14,17 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from supervisor.api.io import validation_param
 from supervisor.errors import BadRequest
-from supervisor.httputil import validation_param
-from supervisor.responses.items import Item, MessageItem, normalize
-from supervisor.responses.logprobs import MAX_TOP_LOGPROBS
-from supervisor.responses.tools import (
+from supervisor.generation.tools import (
     FunctionTool,
     Offer,
     RequestTool,
     ToolChoice,
     offer,
 )
+from supervisor.responses.items import Item, MessageItem, normalize
+from supervisor.responses.logprobs import MAX_TOP_LOGPROBS
 
 # FunctionTool is also importable from here, where it lived before tools.py.
 __all__ = ["CreateRequest", "Effort", "FunctionTool", "ValidRequest", "decode_items", "validate"]

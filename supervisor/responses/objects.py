@@ -6,9 +6,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from supervisor.generation.tools import FunctionTool, NamespaceTool, ToolChoice, echoed
 from supervisor.responses.items import Item, new_id
 from supervisor.responses.models import CreateRequest, ReasoningConfig, TextConfig
-from supervisor.responses.tools import FunctionTool, NamespaceTool, ToolChoice, echoed
 
 Status = Literal["completed", "incomplete", "failed", "in_progress", "queued", "cancelled"]
 TERMINAL: frozenset[str] = frozenset({"completed", "incomplete", "failed", "cancelled"})

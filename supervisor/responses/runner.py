@@ -15,9 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from supervisor.errors import ApiError, BadRequest, ModelNotFound, Unavailable
+from supervisor.generation.grammar import tool_call_grammar
+from supervisor.generation.parse import (
+    HarmonyParser,
+    OutputParser,
+    Piece,
+    StreamParser,
+    ToolCall,
+)
+from supervisor.generation.profile import TemplateProfile, profile_for
+from supervisor.generation.tools import FunctionTool, NamedFunction, Offer, PlanChoice
 from supervisor.responses.convert import template_tools, to_messages
 from supervisor.responses.events import Event, EventBuilder
-from supervisor.responses.grammar import tool_call_grammar
 from supervisor.responses.items import Item
 from supervisor.responses.logprobs import TextLogprobs
 from supervisor.responses.models import (
@@ -26,15 +35,6 @@ from supervisor.responses.models import (
     FormatJsonSchema,
 )
 from supervisor.responses.objects import Usage
-from supervisor.responses.parse import (
-    HarmonyParser,
-    OutputParser,
-    Piece,
-    StreamParser,
-    ToolCall,
-)
-from supervisor.responses.profile import TemplateProfile, profile_for
-from supervisor.responses.tools import FunctionTool, NamedFunction, Offer, PlanChoice
 from worker.protocol import ChatMessage, Delta, Done, ModelFacts, SamplingParams
 from worker.schema_gbnf import SchemaError
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Protocol
 
+from supervisor.generation.tools import FunctionTool
 from supervisor.responses.convert import template_tools
 from supervisor.responses.items import (
     FunctionCallItem,
@@ -25,7 +26,6 @@ from supervisor.responses.items import (
     MessageItem,
     ReasoningItem,
 )
-from supervisor.responses.tools import FunctionTool
 
 # Role markers and separators a template writes around one message.
 PER_ITEM_TOKENS = 8

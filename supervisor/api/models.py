@@ -1,0 +1,136 @@
+"""``/api/models``: the library with each model's worker state; load and unload;
+a model worker's log."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from supervisor.api.io import decode_json, json_response, read_body
+from supervisor.appkeys import LIBRARY, POOL
+from supervisor.config import ModelSettings
+from supervisor.errors import BadRequest, ModelNotFound
+from supervisor.models.library import ModelEntry
+from supervisor.workers.handle import WorkerState, worker_log_path
+from supervisor.workers.pool import WorkerPool
+
+
+def describe_model(entry: ModelEntry, pool: WorkerPool) -> dict[str, Any]:
+    info = entry.info
+    status = pool.status(entry.id)
+    fit = pool.fits.get((entry.id, False))
+    state = status["state"] if status else ("unloaded" if entry.usable else "unusable")
+    return {
+        "id": entry.id,
+        "object": "model",
+        "path": entry.path,
+        "files": len(entry.files),
+        "size_bytes": entry.size_bytes,
+        "source": entry.source,
+        "repo_id": entry.repo_id,
+        "mmproj": entry.mmproj,
+        "quantization": entry.quantization,
+        "architecture": info.architecture if info else None,
+        "context_length": info.context_length if info else None,
+        "n_layer": info.n_layer if info else None,
+        "supports_tools": bool(info and info.supports_tools),
+        "supports_reasoning": bool(info and info.supports_reasoning),
+        "usable": entry.usable,
+        "reason": (status or {}).get("reason") or entry.reason,
+        "state": state,
+        "worker": status,
+        "keep_alive_expires_at": status["keep_alive_expires_at"] if status else None,
+        "load": None if not status or status["load_progress"] is None else {
+            "progress": status["load_progress"]},
+        "fit": None if fit is None else msgspec.to_builtins(fit),
+        "log_tail": _log_tail(pool, entry.id),
+    }
+
+
+def _log_tail(pool: WorkerPool, model_id: str) -> str | None:
+    """The worker log's last lines, kept from its last crash, while it is crashed or failed."""
+    handle = pool.handles.get((model_id, False)) or pool.handles.get((model_id, True))
+    if handle is None or handle.state not in (WorkerState.CRASHED, WorkerState.FAILED):
+        return None
+    return handle.log_tail
+
+
+def _entry(request: web.Request) -> ModelEntry:
+    model_id = request.match_info["id"]
+    entry = request.app[LIBRARY].get(model_id)
+    if entry is None:
+        raise ModelNotFound(f"model '{model_id}' does not exist")
+    return entry
+
+
+async def list_models(request: web.Request) -> web.Response:
+    pool = request.app[POOL]
+    entries = sorted(request.app[LIBRARY].list(), key=lambda e: e.id)
+    return json_response({"object": "list", "data": [describe_model(e, pool) for e in entries]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    return json_response(describe_model(_entry(request), request.app[POOL]))
+
+
+async def load_model(request: web.Request) -> web.Response:
+    entry = _entry(request)
+    body = await read_body(request)
+    options = decode_json(body, ModelSettings) if body.strip() else ModelSettings()
+    pool = request.app[POOL]
+    await pool.load(entry.id, options=options)
+    return json_response(describe_model(entry, pool))
+
+
+async def unload_model(request: web.Request) -> web.Response:
+    entry = _entry(request)
+    pool = request.app[POOL]
+    await pool.unload(entry.id)
+    return json_response(describe_model(entry, pool))
+
+
+LOG_TAIL_DEFAULT_BYTES = 64 << 10
+LOG_TAIL_MAX_BYTES = 1 << 20
+
+
+async def model_log(request: web.Request) -> web.Response:
+    """The end of a model worker's log (stdout and stderr; admin only, see auth)."""
+    entry = _entry(request)
+    mode = request.query.get("mode", "generate")
+    if mode not in ("generate", "embedding"):
+        raise BadRequest("mode must be generate or embedding", param="mode")
+    raw = request.query.get("tail", str(LOG_TAIL_DEFAULT_BYTES))
+    if not raw.isdigit() or not 0 < int(raw) <= LOG_TAIL_MAX_BYTES:
+        raise BadRequest(f"tail must be a byte count within 1..{LOG_TAIL_MAX_BYTES}", param="tail")
+    path = worker_log_path(request.app[POOL].log_dir, entry.id, mode == "embedding")
+    data = await asyncio.to_thread(_read_end, path, int(raw))
+    return web.Response(body=data, content_type="text/plain", charset="utf-8")
+
+
+def _read_end(path: Path, max_bytes: int) -> bytes:
+    """The last ``max_bytes`` of a file from a line start; nothing when it was never written."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - max_bytes))
+            data = f.read(max_bytes)
+    except FileNotFoundError:
+        return b""
+    if size > max_bytes and b"\n" in data:
+        data = data[data.index(b"\n") + 1:]
+    return data
+
+
+def add_routes(app: web.Application) -> None:
+    # Model ids may contain '/' (sub-directories, Hub repos), so the verbs
+    # are matched first and the plain GET takes the whole rest of the path.
+    app.router.add_get("/api/models", list_models)
+    app.router.add_post("/api/models/{id:.+}/load", load_model)
+    app.router.add_post("/api/models/{id:.+}/unload", unload_model)
+    app.router.add_get("/api/models/{id:.+}/log", model_log)
+    app.router.add_get("/api/models/{id:.+}", get_model)

@@ -1,0 +1,318 @@
+"""``GET /openapi.json``: an OpenAPI 3.1 document of every route.
+
+Request bodies are described by the very ``msgspec.Struct``s that decode
+them (``msgspec.json.schema_components``), and error bodies by
+:class:`supervisor.errors.ErrorEnvelope`, the Struct every error is rendered
+from, so the document cannot drift from what the server validates. The route
+table below names, for each (method, path), its summary, its body Struct, its
+query and header parameters and its possible statuses; ``tests/test_openapi``
+fails when the app registers a route this table does not document.
+
+``HEAD`` is documented implicitly: aiohttp adds it to every ``GET``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+from aiohttp import web
+
+from jobs.params import job_kinds
+from supervisor.api.jobs import CancelBody, SubmitBody
+from supervisor.api.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
+from supervisor.config import ModelSettings
+from supervisor.errors import ErrorEnvelope
+from supervisor.responses.models import CreateRequest
+
+OPENAPI_PATH = "/openapi.json"
+REF = "#/components/schemas/{name}"
+_PATH_PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?::[^}]*)?\}")
+
+JSON = "application/json"
+SSE = "text/event-stream"
+
+STATUS_TEXT = {
+    200: "OK",
+    201: "Created",
+    303: "Redirect",
+    304: "Not modified (ETag matched)",
+    400: "Invalid request: the body, a field, a parameter or a path (`error.param` names it)",
+    401: "Missing or invalid API key (only when keys or an admin token are configured)",
+    403: "Refused: the key lacks the role, or a cross-site request",
+    404: "Not found",
+    409: "Conflict with the current state",
+    413: "Request body over the size limit",
+    502: "The model worker failed while serving the request",
+    503: "Temporarily refused (queue full, GPU held by a job, model failed or loading); see Retry-After",
+}
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    where: Literal["query", "header"]
+    schema: Mapping[str, Any]
+    description: str
+
+
+@dataclass(frozen=True)
+class Operation:
+    method: str
+    path: str
+    summary: str
+    tag: str
+    # The Struct the handler decodes the JSON body into (None: no JSON body).
+    body: type | None = None
+    body_required: bool = True
+    # A non-JSON body (form or multipart): media type and inline schema.
+    form: tuple[str, Mapping[str, Any]] | None = None
+    params: tuple[Param, ...] = ()
+    ok: int = 200
+    media: tuple[str, ...] = (JSON,)
+    errors: tuple[int, ...] = ()
+    path_descriptions: Mapping[str, str] = field(default_factory=dict)
+
+
+def _q(name: str, schema: Mapping[str, Any], description: str) -> Param:
+    return Param(name, "query", schema, description)
+
+
+_INT = {"type": "integer"}
+_STR = {"type": "string"}
+_BOOL_TEXT = {"type": "string", "enum": ["true", "false", "1", "0"]}
+_MODEL_ID = {"id": "A model id as listed by `/api/models` (may contain '/')."}
+_JOB_ID = {"id": "A job id (`job_...`)."}
+_RESPONSE_ID = {"response_id": "A stored response id (`resp_...`)."}
+_INFERENCE_ERRORS = (400, 404, 413, 502, 503)
+_NO_BODY = (303, 304)
+
+ROUTES: tuple[Operation, ...] = (
+    # ---------------------------------------------------------- OpenAI-compatible
+    Operation("GET", "/v1/models", "List the models of the library with their worker state", "openai"),
+    Operation("POST", "/v1/chat/completions", "Chat completion (streamed as SSE with `stream: true`)",
+              "openai", body=ChatRequest, media=(JSON, SSE), errors=_INFERENCE_ERRORS),
+    Operation("POST", "/v1/completions", "Text completion (streamed as SSE with `stream: true`)",
+              "openai", body=CompletionRequest, media=(JSON, SSE), errors=_INFERENCE_ERRORS),
+    Operation("POST", "/v1/embeddings", "Embeddings of one or more inputs", "openai",
+              body=EmbeddingRequest, errors=_INFERENCE_ERRORS),
+    Operation("POST", "/v1/responses", "Create a response (Responses API); streamed as SSE with `stream: true`",
+              "responses", body=CreateRequest, media=(JSON, SSE), errors=_INFERENCE_ERRORS),
+    Operation("GET", "/v1/responses/{response_id}", "Retrieve a stored response, or stream a background one's events",
+              "responses", params=(
+                  _q("stream", _BOOL_TEXT, "Stream a background response's stored and further events (SSE)."),
+                  _q("starting_after", {"type": "integer", "minimum": -1},
+                     "With stream: the sequence number after which events start (default -1: all)."),
+              ), media=(JSON, SSE), errors=(400, 404), path_descriptions=_RESPONSE_ID),
+    Operation("DELETE", "/v1/responses/{response_id}", "Delete a stored response", "responses",
+              errors=(404,), path_descriptions=_RESPONSE_ID),
+    Operation("GET", "/v1/responses/{response_id}/input_items", "List the input items of a stored response",
+              "responses", params=(
+                  _q("after", _STR, "Item id to list after."),
+                  _q("limit", {"type": "integer", "minimum": 1, "maximum": 100}, "Page size (default 20)."),
+                  _q("order", {"type": "string", "enum": ["asc", "desc"]}, "Sort order (default desc)."),
+              ), errors=(400, 404), path_descriptions=_RESPONSE_ID),
+    Operation("POST", "/v1/responses/{response_id}/cancel", "Cancel a background response", "responses",
+              errors=(400, 404, 409), path_descriptions=_RESPONSE_ID),
+    # ---------------------------------------------------------- lab: jobs
+    Operation("POST", "/api/jobs", "Submit a job; `params` follow the kind's schema", "jobs",
+              body=SubmitBody, ok=201, errors=(400, 413, 503)),
+    Operation("GET", "/api/jobs", "List jobs, newest first", "jobs", params=(
+        _q("status", _STR, "Comma-separated statuses (queued, running, succeeded, failed, cancelled, interrupted)."),
+        _q("kind", _STR, "Only jobs of this kind."),
+        _q("limit", {"type": "integer", "minimum": 1, "maximum": 500}, "Page size (default 50)."),
+        _q("cursor", _STR, "`next_cursor` of the previous page."),
+    ), errors=(400,)),
+    Operation("GET", "/api/jobs/schema", "JSON Schema of each job kind's params", "jobs"),
+    Operation("GET", "/api/jobs/{id}", "One job", "jobs", errors=(404,), path_descriptions=_JOB_ID),
+    Operation("DELETE", "/api/jobs/{id}", "Delete a finished job and its events", "jobs",
+              errors=(404, 409), path_descriptions=_JOB_ID),
+    Operation("GET", "/api/jobs/{id}/events", "Job events as SSE: replay after Last-Event-ID, then live",
+              "jobs", params=(
+                  Param("Last-Event-ID", "header", _INT, "Replay events after this sequence number."),
+                  _q("after", _INT, "Same as Last-Event-ID, for clients that cannot set headers."),
+              ), media=(SSE,), errors=(400, 404), path_descriptions=_JOB_ID),
+    Operation("GET", "/api/jobs/{id}/log", "The tail of a job's log", "jobs",
+              params=(_q("tail", {"type": "integer", "minimum": 0}, "Bytes from the end."),),
+              media=("text/plain",), errors=(400, 404), path_descriptions=_JOB_ID),
+    Operation("POST", "/api/jobs/{id}/cancel", "Cancel a job (`save` checkpoints a resumable one first)",
+              "jobs", body=CancelBody, body_required=False,
+              params=(_q("save", _BOOL_TEXT, "Same as the body's `save`."),),
+              errors=(400, 404, 409), path_descriptions=_JOB_ID),
+    Operation("POST", "/api/jobs/{id}/resume", "Resume an interrupted resumable job from its checkpoint",
+              "jobs", errors=(400, 404, 409), path_descriptions=_JOB_ID),
+    Operation("POST", "/api/datasets", "Upload a dataset file (multipart field `file`)", "jobs",
+              form=("multipart/form-data", {"type": "object", "required": ["file"], "properties": {
+                  "file": {"type": "string", "format": "binary"}}}),
+              ok=201, errors=(400, 413)),
+    Operation("GET", "/api/dataset/templates", "Dataset templates and accepted file types", "jobs"),
+    Operation("GET", "/api/gpu", "The GPU lease: holders and waiters per device", "jobs"),
+    # ---------------------------------------------------------- lab: models
+    Operation("GET", "/api/models", "The model library with each model's worker state", "models"),
+    Operation("GET", "/api/models/{id}", "One model", "models", errors=(404,), path_descriptions=_MODEL_ID),
+    Operation("POST", "/api/models/{id}/load", "Load a model (optional settings override the defaults)",
+              "models", body=ModelSettings, body_required=False, errors=(400, 404, 503),
+              path_descriptions=_MODEL_ID),
+    Operation("POST", "/api/models/{id}/unload", "Unload a model", "models", errors=(404,),
+              path_descriptions=_MODEL_ID),
+    Operation("GET", "/api/models/{id}/log", "The tail of a model worker's log (admin only)", "models",
+              params=(
+                  _q("tail", {"type": "integer", "minimum": 1, "maximum": 1 << 20},
+                     "Bytes from the end (default 65536)."),
+                  _q("mode", {"type": "string", "enum": ["generate", "embedding"]},
+                     "Which of the model's workers (default generate)."),
+              ), media=("text/plain",), errors=(400, 403, 404), path_descriptions=_MODEL_ID),
+    # ---------------------------------------------------------- service
+    Operation("GET", "/healthz", "Liveness, uptime and workers", "service"),
+    Operation("GET", "/readyz", "Ready to serve (503 while no worker serves)", "service", errors=(503,)),
+    Operation("GET", "/api/workers", "Every model worker with its state and counters", "service"),
+    Operation("GET", "/metrics", "Prometheus metrics", "service", media=("text/plain",)),
+    Operation("GET", OPENAPI_PATH, "This document", "service"),
+    # ---------------------------------------------------------- web UI and login
+    Operation("GET", "/", "The lab web UI", "ui", media=("text/html",), errors=(304,)),
+    Operation("GET", "/static/{name}", "A static file of the web UI", "ui", params=(
+        _q("v", _STR, "Content hash; a matching one makes the file cacheable for a year."),
+    ), media=("application/octet-stream",), errors=(304, 404),
+              path_descriptions={"name": "A file name from web/static."}),
+    Operation("GET", "/login", "The sign-in page", "ui", media=("text/html",)),
+    Operation("POST", "/login", "Sign in with the admin token (sets a session cookie)", "ui",
+              form=("application/x-www-form-urlencoded", {"type": "object", "required": ["token"],
+                                                          "properties": {"token": _STR}}),
+              ok=303, errors=(401,)),
+    Operation("POST", "/logout", "Sign out", "ui", ok=303),
+)
+
+
+def operation_keys(routes: Iterable[Operation] = ROUTES) -> set[tuple[str, str]]:
+    return {(op.method, op.path) for op in routes}
+
+
+def route_key(method: str, canonical: str) -> tuple[str, str]:
+    """(method, OpenAPI path) of a registered aiohttp route: ``{id:.+}`` -> ``{id}``."""
+    return method, _PATH_PARAM.sub(lambda m: "{" + m.group(1) + "}", canonical)
+
+
+# ---------------------------------------------------------------- schemas
+
+
+def _body_types() -> list[type]:
+    types: list[type] = [ErrorEnvelope]
+    types += [op.body for op in ROUTES if op.body is not None]
+    types += [spec.params for spec in job_kinds().values()]
+    return list(dict.fromkeys(types))
+
+
+def _submit_schema(components: Mapping[str, Any]) -> dict[str, Any]:
+    """SubmitBody's ``params`` is validated against the kind's own Struct
+    after decoding: document that as one variant per kind."""
+    base = components[SubmitBody.__name__]
+    variants = []
+    for name, spec in job_kinds().items():
+        props = dict(base["properties"])
+        props["kind"] = {"const": name, "description": spec.description}
+        props["params"] = {"$ref": REF.format(name=spec.params.__name__)}
+        variants.append({"type": "object", "title": f"{name} job", "properties": props,
+                         "required": ["kind"], "additionalProperties": False})
+    return {"oneOf": variants}
+
+
+def _request_body(op: Operation, refs: Mapping[type, Any], components: Mapping[str, Any]) -> dict[str, Any] | None:
+    if op.form is not None:
+        media, schema = op.form
+        return {"required": True, "content": {media: {"schema": dict(schema)}}}
+    if op.body is None:
+        return None
+    schema = _submit_schema(components) if op.body is SubmitBody else refs[op.body]
+    return {"required": op.body_required, "content": {JSON: {"schema": schema}}}
+
+
+def _parameters(op: Operation) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for name in _PATH_PARAM.findall(op.path):
+        out.append({"name": name, "in": "path", "required": True, "schema": {"type": "string"},
+                    "description": op.path_descriptions.get(name, "")})
+    for p in op.params:
+        out.append({"name": p.name, "in": p.where, "required": False, "schema": dict(p.schema),
+                    "description": p.description})
+    return out
+
+
+def _responses(op: Operation, error_ref: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {str(op.ok): {"description": STATUS_TEXT[op.ok]}}
+    if op.ok not in _NO_BODY:
+        out[str(op.ok)]["content"] = {
+            m: {"schema": {"type": "object"} if m == JSON else {"type": "string"}} for m in op.media}
+    for status in op.errors:
+        if status in _NO_BODY:
+            out[str(status)] = {"description": STATUS_TEXT[status]}
+        elif op.tag == "ui" and op.method == "POST":
+            out[str(status)] = {"description": STATUS_TEXT[status], "content": {"text/html": {"schema": _STR}}}
+        else:
+            out[str(status)] = {"description": STATUS_TEXT[status], "content": {JSON: {"schema": error_ref}}}
+    # Any route may be refused by auth, a body limit or a shutdown in progress.
+    out.setdefault("default", {"description": "An error (OpenAI-shaped body)",
+                               "content": {JSON: {"schema": error_ref}}})
+    return out
+
+
+def build_document() -> dict[str, Any]:
+    """The whole document, built from the route table and the Structs."""
+    types = _body_types()
+    refs_list, components = msgspec.json.schema_components(types, ref_template=REF)
+    refs = dict(zip(types, refs_list, strict=True))
+    error_ref = refs[ErrorEnvelope]
+    paths: dict[str, dict[str, Any]] = {}
+    for op in ROUTES:
+        entry: dict[str, Any] = {
+            "summary": op.summary,
+            "operationId": _operation_id(op),
+            "tags": [op.tag],
+            "parameters": _parameters(op),
+            "responses": _responses(op, error_ref),
+        }
+        body = _request_body(op, refs, components)
+        if body is not None:
+            entry["requestBody"] = body
+        paths.setdefault(op.path, {})[op.method.lower()] = entry
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "gpuvisor", "version": _version(),
+                 "description": "OpenAI-compatible serving, lab jobs and one fair GPU lease."},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        # Auth applies only when keys or an admin token are configured.
+        "security": [{}, {"bearer": []}],
+    }
+
+
+def _operation_id(op: Operation) -> str:
+    words = re.sub(r"[^A-Za-z0-9]+", "_", op.path).strip("_") or "root"
+    return f"{op.method.lower()}_{words}"
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("gpuvisor")
+    except metadata.PackageNotFoundError:
+        return "dev"
+
+
+# The encoded document: routes and Structs are fixed once the app is built.
+DOCUMENT: web.AppKey[bytes] = web.AppKey("openapi_document", bytes)
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[DOCUMENT], content_type=JSON)
+
+
+def add_routes(app: web.Application) -> None:
+    app[DOCUMENT] = msgspec.json.encode(build_document())
+    app.router.add_get(OPENAPI_PATH, openapi_json)

@@ -1,0 +1,188 @@
+"""HTTP routes of the Responses API (``/v1/responses``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Literal
+
+from aiohttp import web
+
+from supervisor.api.io import SseWriter, decode_body, json_response
+from supervisor.errors import BadRequest
+from supervisor.responses.events import Event
+from supervisor.responses.lifecycle import RESPONSES
+from supervisor.responses.models import CreateRequest, validate
+from supervisor.responses.service import ResponsesService, ResponseStream
+
+log = logging.getLogger(__name__)
+
+MAX_LIST_LIMIT = 100
+
+
+def _service(request: web.Request) -> ResponsesService:
+    return request.app[RESPONSES].service
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    body = await decode_body(request, CreateRequest)
+    valid = validate(body)
+    service = _service(request)
+    if body.background:
+        queued = await service.create_background(valid)
+        if body.stream:
+            # Following, not owning: a client that leaves does not cancel it.
+            return await _stream(request, service, await service.follow(queued.id, after=-1))
+        return json_response(queued)
+    if body.stream:
+        # A refusal (queue full, GPU busy) raises here: an HTTP error with
+        # Retry-After, before the 200 of an event stream is committed.
+        return await _stream(request, service, await service.stream(valid))
+    return json_response(await service.create(valid))
+
+
+class _Activity:
+    """When the stream last wrote, so keepalives fill only real silences."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+
+async def _keepalive(sse: SseWriter, activity: _Activity, interval: float) -> None:
+    # Writes from this task and the handler cannot interleave inside a frame:
+    # each frame is one write() call, and aiohttp shares one drain waiter.
+    while True:
+        await asyncio.sleep(max(0.0, activity.last + interval - time.monotonic()))
+        if time.monotonic() - activity.last >= interval:
+            await sse.comment("keepalive")
+            activity.last = time.monotonic()
+
+
+async def _stream(request: web.Request, service: ResponsesService, stream: ResponseStream) -> web.StreamResponse:
+    try:
+        sse = await SseWriter.start(request)
+        activity = _Activity()
+        pump = asyncio.create_task(_pump(stream.events, sse, activity), name="responses-stream")
+        ticker = asyncio.create_task(_keepalive(sse, activity, service.keepalive_s), name="responses-keepalive")
+        tasks = [pump, ticker]
+        try:
+            # The ticker ends only by failing: then a client that left during a
+            # long prefill is noticed without waiting for the first token.
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+    finally:
+        await stream.aclose()
+    for task in tasks:
+        exc = None if task.cancelled() else task.exception()
+        if isinstance(exc, ConnectionResetError):
+            # Closing the event stream has cancelled the generation.
+            log.info("client disconnected from streaming response")
+            return sse.response
+        if exc is not None:
+            raise exc
+    await sse.close()
+    return sse.response
+
+
+async def _pump(events: AsyncGenerator[Event, None], sse: SseWriter, activity: _Activity) -> None:
+    async with aclosing(events) as stream:
+        async for event in stream:
+            await sse.data(event.data, event=event.type)
+            activity.last = time.monotonic()
+
+
+def _flag(raw: str, param: str) -> bool:
+    value = raw.lower()
+    if value in ("true", "1"):
+        return True
+    if value in ("false", "0", ""):
+        return False
+    raise BadRequest(f"{param} must be true or false, got {raw!r}", param=param)
+
+
+def _starting_after(raw: str | None) -> int:
+    if raw is None:
+        return -1
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise BadRequest(f"starting_after must be an integer, got {raw!r}", param="starting_after") from exc
+    if value < -1:
+        raise BadRequest("starting_after must be -1 or more", param="starting_after")
+    return value
+
+
+async def get_response(request: web.Request) -> web.StreamResponse:
+    service = _service(request)
+    response_id = request.match_info["response_id"]
+    query = request.query
+    if _flag(query.get("stream", "false"), "stream"):
+        # A background response's events, from the one after starting_after.
+        return await _stream(request, service, await service.follow(response_id, _starting_after(
+            query.get("starting_after"))))
+    if "starting_after" in query:
+        raise BadRequest("starting_after applies only with stream=true", param="starting_after")
+    return json_response(await service.get(response_id))
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    await _service(request).delete(response_id)
+    return json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+async def cancel_response(request: web.Request) -> web.Response:
+    return json_response(await _service(request).cancel(request.match_info["response_id"]))
+
+
+def _limit(raw: str | None) -> int:
+    if raw is None:
+        return 20
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise BadRequest(f"limit must be an integer, got {raw!r}", param="limit") from exc
+    if not 1 <= value <= MAX_LIST_LIMIT:
+        raise BadRequest(f"limit must be within 1..{MAX_LIST_LIMIT}", param="limit")
+    return value
+
+
+def _order(raw: str | None) -> Literal["asc", "desc"]:
+    if raw is None or raw == "desc":
+        return "desc"
+    if raw == "asc":
+        return "asc"
+    raise BadRequest(f"order must be 'asc' or 'desc', got {raw!r}", param="order")
+
+
+async def list_input_items(request: web.Request) -> web.Response:
+    query = request.query
+    items, has_more = await _service(request).input_items(
+        request.match_info["response_id"],
+        after=query.get("after"),
+        limit=_limit(query.get("limit")),
+        order=_order(query.get("order")),
+    )
+    return json_response(
+        {
+            "object": "list",
+            "data": items,
+            "first_id": items[0].id if items else None,
+            "last_id": items[-1].id if items else None,
+            "has_more": has_more,
+        }
+    )
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)

@@ -1,0 +1,74 @@
+"""Graceful shutdown, run from ``app.on_shutdown`` (after the listener closed).
+
+New requests on kept-alive connections get 503; in-flight generations may
+finish within ``shutdown_timeout`` and are then ended with a
+``shutting_down`` error event (a clean end of the stream, not a cut
+connection); running jobs are asked to checkpoint and stop (their grace),
+all at the same time. A second SIGTERM/SIGINT (``hurry``) stops the workers
+and kills the jobs at once. The cleanup contexts then stop what is left and close the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from supervisor.api.jobs import JOB_RUNNER
+from supervisor.appkeys import CONFIG, POOL
+from supervisor.errors import Unavailable
+
+log = logging.getLogger("gpuvisor.shutdown")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ALWAYS_OPEN = frozenset({"/healthz", "/readyz"})
+REASON = "the service is shutting down"
+
+
+class ShutdownState:
+    def __init__(self) -> None:
+        self.draining = False
+        self.hurry = asyncio.Event()
+
+
+SHUTDOWN: web.AppKey[ShutdownState] = web.AppKey("shutdown", ShutdownState)
+
+
+@web.middleware
+async def refuse_while_draining(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.app[SHUTDOWN].draining and request.path not in ALWAYS_OPEN:
+        raise Unavailable(REASON, retry_after=5, code="shutting_down")
+    return await handler(request)
+
+
+async def drain(app: web.Application) -> None:
+    """on_shutdown: drain workers and stop jobs together, within their bounds."""
+
+    state = app[SHUTDOWN]
+    state.draining = True
+    pool = app.get(POOL)
+    runner = app.get(JOB_RUNNER)
+    if pool is None or runner is None:
+        return  # startup failed before the lab existed; the contexts unwind it
+    bound = app[CONFIG].shutdown_timeout
+    handles = list(pool.handles.values())
+    busy = sum(1 for h in handles if h.busy)
+    log.info("draining: %d busy workers get up to %.0fs, %d jobs asked to stop",
+             busy, bound, len(runner.running()))
+    # The handles stay in the pool (its cleanup context stops them again, a
+    # no-op by then); this middleware keeps new requests from reaching them.
+    drains = [h.drain(bound, REASON, "shutting_down") for h in handles]
+    work: asyncio.Future[Any] = asyncio.gather(*drains, runner.stop())
+    hurry: asyncio.Future[Any] = asyncio.ensure_future(state.hurry.wait())
+    try:
+        await asyncio.wait({work, hurry}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            log.warning("second signal: stopping workers and jobs now")
+            runner.hurry()
+            await asyncio.gather(*(h.stop(REASON, "shutting_down") for h in handles))
+        await work
+    finally:
+        hurry.cancel()

@@ -1,0 +1,1 @@
+"""Generation shared by chat and Responses: tools, output parsing, model profiles, grammar."""

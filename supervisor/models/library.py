@@ -1,0 +1,504 @@
+"""The model library: every GGUF model on disk, kept current by a watcher.
+
+Sources, in priority order:
+
+1. the configured model dirs, scanned recursively (hidden names skipped);
+2. the Hugging Face hub cache (``huggingface_hub.scan_cache_dir``), one
+   revision per repo: the one ``main`` points to, else the newest.
+
+Model ids are stable and readable:
+
+- in a model dir: the path relative to that dir, without ``.gguf`` and
+  without a shard suffix, with ``/`` separators:
+  ``qwen/Qwen3-8B-Q4_K_M.gguf`` -> ``qwen/Qwen3-8B-Q4_K_M``;
+- in the hub cache: ``<repo_id>/<file stem>`` (folders inside the repo are
+  dropped): ``bartowski/Qwen3-8B-GGUF/Qwen3-8B-Q4_K_M``.
+
+When two files claim the same id the first source wins.
+
+A sharded set ``name-00001-of-0000N.gguf`` is one model whose size is the sum
+of its shards; it is listed only when every shard is present and settled.
+Files named ``*mmproj*.gguf`` are vision projectors: never listed as models,
+linked to the models in the same folder (or the same hub snapshot).
+
+A file is offered only once it is settled: not a temporary name
+(``.part``, ``.tmp``, ``.incomplete``...), and either last modified more than
+``settle_s`` ago or seen with the same size and mtime on two looks at least
+``settle_s`` apart. A file whose header cannot be read is listed as
+unusable, with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import logging
+import os
+import re
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+from watchfiles import Change, awatch
+
+from supervisor.models.gguf_info import GgufError, GgufInfo, read_gguf_info
+
+log = logging.getLogger(__name__)
+
+SHARD_RE = re.compile(r"^(?P<base>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+_TEMP_SUFFIXES = (
+    ".part",
+    ".partial",
+    ".tmp",
+    ".temp",
+    ".incomplete",
+    ".download",
+    ".crdownload",
+    ".lock",
+)
+
+
+class ModelEntry(msgspec.Struct, kw_only=True):
+    """One model the library offers (or lists as unusable, with the reason)."""
+
+    id: str
+    path: str  # the file to load (the first shard of a set)
+    files: list[str]
+    size_bytes: int
+    source: Literal["dir", "hf_cache"]
+    root: str
+    mtime: float
+    repo_id: str | None = None
+    revision: str | None = None  # hub commit hash
+    mmproj: str | None = None
+    quantization: str | None = None
+    info: GgufInfo | None = None
+    usable: bool = True
+    reason: str | None = None
+
+
+class _Look(msgspec.Struct):
+    size: int
+    mtime_ns: int
+    at: float  # monotonic time of the first look with this size/mtime
+
+
+def is_temporary_name(name: str) -> bool:
+    lower = name.lower()
+    return name.startswith(".") or any(
+        lower.endswith(s) or f"{s}." in lower for s in _TEMP_SUFFIXES
+    )
+
+
+def is_projector_name(name: str) -> bool:
+    return "mmproj" in name.lower()
+
+
+def model_stem(filename: str) -> str:
+    """File name without folders, shard suffix and ``.gguf``."""
+    name = filename.rsplit("/", 1)[-1]
+    m = SHARD_RE.match(name)
+    return (
+        m.group("base") if m else name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+    )
+
+
+def hf_model_id(repo_id: str, filename: str) -> str:
+    """The library id of a GGUF file (or shard set) in a hub repo."""
+    return f"{repo_id}/{model_stem(filename)}"
+
+
+def group_gguf_files(names: Iterable[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """Group GGUF file names (relative paths) into models.
+
+    Returns (model key -> its files, shards in order; projector files). The
+    key is the relative path without ``.gguf`` / shard suffix. A shard set
+    missing shards maps to an empty list.
+    """
+    singles: dict[str, list[str]] = {}
+    sets: dict[tuple[str, int], dict[int, str]] = {}
+    projectors: list[str] = []
+    for name in sorted(names):
+        base = name.rsplit("/", 1)[-1]
+        if not base.lower().endswith(".gguf") or is_temporary_name(base):
+            continue
+        if is_projector_name(base):
+            projectors.append(name)
+            continue
+        m = SHARD_RE.match(base)
+        if m is None:
+            singles[name[: -len(".gguf")]] = [name]
+            continue
+        key = name[: len(name) - len(base)] + m.group("base")
+        sets.setdefault((key, int(m.group("count"))), {})[int(m.group("no"))] = name
+    for (key, count), shards in sets.items():
+        complete = count > 0 and sorted(shards) == list(range(1, count + 1))
+        singles[key] = [shards[i] for i in sorted(shards)] if complete else []
+    return singles, projectors
+
+
+def pick_projector(candidates: Sequence[str]) -> str | None:
+    """Prefer an f16 projector, else the first by name."""
+    if not candidates:
+        return None
+    f16 = [c for c in candidates if "f16" in c.lower()]
+    return sorted(f16 or candidates)[0]
+
+
+class ModelLibrary:
+    """Scans model dirs and the hub cache; ``watch()`` keeps it current.
+
+    Reads (``get``/``list``) are cheap and never block. ``rescan()`` does file
+    I/O and header parsing: the watcher runs it in a thread. Waiters learn of
+    changes through :meth:`wait_for_change`.
+    """
+
+    def __init__(
+        self,
+        model_dirs: Sequence[Path],
+        hf_cache_dir: Path | None = None,
+        *,
+        settle_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.model_dirs = [Path(d) for d in model_dirs]
+        self.hf_cache_dir = Path(hf_cache_dir) if hf_cache_dir is not None else None
+        self.settle_s = settle_s
+        self._clock = clock
+        self._wall = wall_clock
+        self._entries: dict[str, ModelEntry] = {}
+        self._looks: dict[str, _Look] = {}
+        # Set by a scan that met a symlinked directory (see watch).
+        self.linked_dirs = False
+        self._headers: dict[str, tuple[int, int, GgufInfo | GgufError]] = {}
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
+        self._version = 0
+        self._changed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.watching = asyncio.Event()  # set while watch() is live
+
+    # -- reads -----------------------------------------------------------
+
+    def get(self, model_id: str) -> ModelEntry | None:
+        return self._entries.get(model_id)
+
+    def list(self) -> builtins.list[ModelEntry]:
+        return list(self._entries.values())
+
+    @property
+    def version(self) -> int:
+        """Bumped on every change of the listing."""
+        return self._version
+
+    @property
+    def pending(self) -> frozenset[str]:
+        """Files seen but not settled yet (still growing or just written)."""
+        return frozenset(self._pending)
+
+    async def wait_for_change(self, version: int) -> int:
+        """Return once :attr:`version` differs from ``version``; the new version."""
+        self._loop = asyncio.get_running_loop()
+        while self._version == version:
+            await self._changed.wait()
+        return self._version
+
+    async def wait_until(self, predicate: Callable[[ModelLibrary], bool]) -> None:
+        """Wait until ``predicate(self)`` holds (checked after every change)."""
+        while not predicate(self):
+            await self.wait_for_change(self._version)
+
+    # -- scanning --------------------------------------------------------
+
+    def rescan(self) -> None:
+        """Look at every source again and publish the new listing."""
+        with self._lock:
+            entries: dict[str, ModelEntry] = {}
+            pending: set[str] = set()
+            seen: set[str] = set()
+            for root in self.model_dirs:
+                for entry in self._scan_dir(root, pending, seen):
+                    self._add(entries, entry)
+            for entry in self._scan_hf_cache():
+                self._add(entries, entry)
+            self._pending = pending
+            alive = seen | {f for e in entries.values() for f in e.files}
+            self._looks = {p: v for p, v in self._looks.items() if p in seen}
+            self._headers = {p: v for p, v in self._headers.items() if p in alive}
+            if entries != self._entries:
+                self._entries = entries
+                self._version += 1
+                self._signal()
+
+    def _signal(self) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._wake()
+        else:
+            loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    @staticmethod
+    def _add(entries: dict[str, ModelEntry], entry: ModelEntry) -> None:
+        if entry.id in entries:
+            log.warning(
+                "model id %s: %s is shadowed by %s", entry.id, entry.path, entries[entry.id].path
+            )
+            return
+        entries[entry.id] = entry
+
+    def _settled(self, path: str, st: os.stat_result) -> bool:
+        now = self._clock()
+        look = self._looks.get(path)
+        if look is None or (look.size, look.mtime_ns) != (st.st_size, st.st_mtime_ns):
+            look = self._looks[path] = _Look(st.st_size, st.st_mtime_ns, now)
+        if self._wall() - st.st_mtime >= self.settle_s:
+            return True
+        return now - look.at >= self.settle_s
+
+    def _walk(self, root: Path) -> dict[str, os.stat_result]:
+        found: dict[str, os.stat_result] = {}
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            # Never descended into (os.walk does not follow them), but a
+            # notify watcher would follow them, e.g. into all of "/".
+            if any(os.path.islink(os.path.join(dirpath, d)) for d in dirnames):
+                self.linked_dirs = True
+            for name in filenames:
+                if not name.lower().endswith(".gguf") or is_temporary_name(name):
+                    continue
+                full = Path(dirpath) / name
+                try:
+                    st = full.stat()
+                except FileNotFoundError:
+                    continue  # removed while we looked
+                except OSError as exc:  # unreadable, a symlink loop, ...
+                    log.warning("skipping unreadable model file %s: %s", full, exc)
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    # A FIFO would block the open() forever; a directory or a
+                    # device named .gguf is no model either.
+                    log.warning("skipping %s: not a regular file", full)
+                    continue
+                rel = full.relative_to(root).as_posix()
+                found[rel] = st
+        return found
+
+    def _scan_dir(self, root: Path, pending: set[str], seen: set[str]) -> builtins.list[ModelEntry]:
+        if not root.is_dir():
+            return []
+        stats = self._walk(root)
+        settled = {}
+        for rel, st in stats.items():
+            full = str(root / rel)
+            seen.add(full)
+            if self._settled(full, st):
+                settled[rel] = st
+            else:
+                pending.add(full)
+        models, projectors = group_gguf_files(settled)
+        by_dir: dict[str, builtins.list[str]] = {}
+        for proj in projectors:
+            by_dir.setdefault(proj.rpartition("/")[0], []).append(proj)
+        out = []
+        for key, files in models.items():
+            if not files:
+                continue  # incomplete shard set
+            mmproj = pick_projector(by_dir.get(key.rpartition("/")[0], []))
+            try:
+                out.append(
+                    self._entry(
+                        model_id=key,
+                        root=root,
+                        files=[root / f for f in files],
+                        source="dir",
+                        mmproj=root / mmproj if mmproj else None,
+                    )
+                )
+            except FileNotFoundError:
+                continue  # removed while we looked; the watcher rescans
+        return out
+
+    def _scan_hf_cache(self) -> builtins.list[ModelEntry]:
+        if self.hf_cache_dir is None or not self.hf_cache_dir.is_dir():
+            return []
+        from huggingface_hub import scan_cache_dir
+        from huggingface_hub.errors import CacheNotFound
+
+        try:
+            info = scan_cache_dir(self.hf_cache_dir)
+        except CacheNotFound:
+            return []  # removed since we looked
+        for warning in info.warnings:
+            log.warning("hub cache: %s", warning)
+        out: builtins.list[ModelEntry] = []
+        for repo in sorted(info.repos, key=lambda r: r.repo_id):
+            if repo.repo_type != "model" or not repo.revisions:
+                continue
+            rev = max(
+                repo.revisions, key=lambda r: ("main" in r.refs, bool(r.refs), r.last_modified)
+            )
+            rel = {f.file_path.relative_to(rev.snapshot_path).as_posix(): f for f in rev.files}
+            models, projectors = group_gguf_files(rel)
+            mmproj = pick_projector(projectors)
+            for key, files in models.items():
+                if not files:
+                    continue
+                try:
+                    out.append(
+                        self._entry(
+                            model_id=hf_model_id(repo.repo_id, key + ".gguf"),
+                            root=self.hf_cache_dir,
+                            files=[rel[f].file_path for f in files],
+                            source="hf_cache",
+                            mmproj=rel[mmproj].file_path if mmproj else None,
+                            repo_id=repo.repo_id,
+                            revision=rev.commit_hash,
+                        )
+                    )
+                except FileNotFoundError:
+                    continue  # removed while we looked; the watcher rescans
+        return out
+
+    def _entry(
+        self,
+        *,
+        model_id: str,
+        root: Path,
+        files: builtins.list[Path],
+        source: Literal["dir", "hf_cache"],
+        mmproj: Path | None,
+        repo_id: str | None = None,
+        revision: str | None = None,
+    ) -> ModelEntry:
+        stats = [f.stat() for f in files]
+        header = self._header(files[0], stats[0])
+        info = header if isinstance(header, GgufInfo) else None
+        reason = header.reason if isinstance(header, GgufError) else None
+        if info is not None and info.is_projector:
+            reason = "a vision projector (mmproj), not a model"
+        elif info is not None and len(files) > 1 and info.split_count not in (0, len(files)):
+            reason = f"shard set has {len(files)} files but the header says {info.split_count}"
+        return ModelEntry(
+            id=model_id,
+            path=str(files[0]),
+            files=[str(f) for f in files],
+            size_bytes=sum(s.st_size for s in stats),
+            source=source,
+            root=str(root),
+            mtime=max(s.st_mtime for s in stats),
+            repo_id=repo_id,
+            revision=revision,
+            mmproj=str(mmproj) if mmproj else None,
+            quantization=info.quantization if info else None,
+            info=info,
+            usable=reason is None,
+            reason=reason,
+        )
+
+    def _header(self, path: Path, st: os.stat_result) -> GgufInfo | GgufError:
+        key = str(path)
+        cached = self._headers.get(key)
+        if cached is not None and cached[:2] == (st.st_size, st.st_mtime_ns):
+            return cached[2]
+        try:
+            result: GgufInfo | GgufError = read_gguf_info(path)
+        except GgufError as exc:
+            result = exc
+        except (OSError, ValueError, OverflowError, MemoryError) as exc:
+            # A crafted header must cost this one file, never the watcher.
+            result = GgufError(path, f"unreadable header ({type(exc).__name__}: {exc})")
+        self._headers[key] = (st.st_size, st.st_mtime_ns, result)
+        return result
+
+    # -- watching --------------------------------------------------------
+
+    def _roots(self) -> builtins.list[Path]:
+        roots = list(self.model_dirs)
+        if self.hf_cache_dir is not None:
+            roots.append(self.hf_cache_dir)
+        return [r for r in roots if r.is_dir()]
+
+    @staticmethod
+    def _relevant(change: Change, path: str) -> bool:
+        name = path.rsplit(os.sep, 1)[-1]
+        # Download progress in the hub cache must not cause rescans.
+        return not (name.endswith((".incomplete", ".lock")) or f"{os.sep}.locks{os.sep}" in path)
+
+    async def watch_supervised(self, stop: asyncio.Event, restart_s: float = 1.0) -> None:
+        """:meth:`watch`, restarted after any failure (with its traceback
+        logged) until ``stop``: a models dir the library cannot follow must
+        not leave the service serving a stale list forever."""
+        while not stop.is_set():
+            try:
+                await self.watch(stop)
+            except Exception:  # supervision: any failure restarts the watcher, logged in full
+                log.exception("the model library watcher failed; restarting it in %.0f s", restart_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), restart_s)
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Rescan now, then on every change until ``stop`` is set.
+
+        Also rechecks files that have not settled and picks up model dirs or
+        the hub cache when they appear after start.
+        """
+        self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(self.rescan)
+        tick_ms = max(int(self.settle_s * 1000), 100)
+        if self.linked_dirs:
+            log.warning("a models dir holds symlinked directories (not scanned); "
+                        "polling for changes instead of watching")
+            await self._poll(stop, tick_ms / 1000)
+            return
+        while not stop.is_set():
+            roots = self._roots()
+            if not roots:
+                # Nothing to watch yet: look for the roots again after a tick.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), tick_ms / 1000)
+                continue
+            first = True
+            async for changes in awatch(
+                *roots,
+                watch_filter=self._relevant,
+                stop_event=stop,
+                debounce=400,
+                step=50,
+                rust_timeout=tick_ms,
+                yield_on_timeout=True,
+            ):
+                roots_changed = self._roots() != roots
+                # The first yield comes once the watcher runs: rescan to catch
+                # what changed while it was starting.
+                if first or changes or self._pending or roots_changed:
+                    await asyncio.to_thread(self.rescan)
+                if first:
+                    first = False
+                    self.watching.set()
+                if roots_changed:
+                    break  # watch the new set of roots
+        self.watching.clear()
+
+    async def _poll(self, stop: asyncio.Event, tick_s: float) -> None:
+        """Rescan every tick: for roots holding symlinked directories."""
+        self.watching.set()
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), tick_s)
+            await asyncio.to_thread(self.rescan)

@@ -1,0 +1,112 @@
+"""Where a model fits: free memory, the memory budget, the context and GPU layers.
+
+The pool asks :func:`plan_load` before spawning a worker; a model whose
+weights cannot fit is refused here, before any loading, with the sizes named.
+On a GPU, a model too big for its free memory is planned with partial
+offload: the last layers that fit on the GPU, the rest in RAM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+from supervisor.config import ModelSettings
+from supervisor.models.gguf_info import (
+    GgufError,
+    GgufInfo,
+    TensorSizes,
+    read_tensor_sizes,
+)
+from supervisor.models.library import ModelEntry
+from supervisor.models.memfit import (
+    ContextDecision,
+    KvOptions,
+    MemorySnapshot,
+    choose_context,
+    free_memory,
+)
+
+log = logging.getLogger("gpuvisor.placement")
+
+# GPU memory a new worker takes beyond its buffers, which nvidia-smi still
+# counted as free before it started: the CUDA context, cuBLAS workspaces and
+# allocator rounding. A round figure, not a measurement; llama.cpp's own fit
+# keeps a 1 GiB margin per device.
+GPU_RUNTIME_RESERVE = 512 * 1024 * 1024
+
+
+async def measure_free(budget_bytes: int, committed: Iterable[int]) -> tuple[int, str]:
+    """Free bytes for a new model and the memory kind (gpu or ram).
+
+    With a budget, what loaded models were planned to use is subtracted from
+    it, and the result is capped by what is really free.
+    """
+    snap: MemorySnapshot = await asyncio.to_thread(free_memory)
+    free = snap.free_bytes
+    if budget_bytes > 0:
+        free = min(free, max(0, budget_bytes - sum(committed)))
+    return free, snap.kind
+
+
+def shard_tensor_sizes(entry: ModelEntry, info: GgufInfo) -> TensorSizes:
+    """Per-layer sizes of the whole model: a shard set's further files hold
+    layers too (the library reads only the first file's header).
+
+    With a further shard unreadable the sizes are unknown, and the model is
+    planned whole (the worker then reports what is wrong with the file).
+    """
+    sizes = info.tensors
+    for path in entry.files[1:]:
+        try:
+            sizes = sizes.merged(read_tensor_sizes(Path(path), info.n_layer))
+        except GgufError as exc:
+            log.warning("%s: cannot size its layers, so it is not split between GPU and RAM: %s",
+                        entry.id, exc)
+            return TensorSizes()
+    return sizes
+
+
+def kv_options(settings: ModelSettings, *, slots: int, embedding: bool) -> KvOptions:
+    """The engine settings a worker runs ``settings`` with, as memfit needs them."""
+    cache = settings.cache_type or "f16"
+    # The worker sets the engine to match: flash attention on, swa_full off,
+    # a cache per slot for generation and one shared cache for embeddings.
+    return KvOptions(cache_type_k=cache, cache_type_v=cache, flash_attn=True, slots=slots,
+                     kv_unified=embedding, n_outputs=1 + (settings.draft_ngram or 0))
+
+
+# The context of a model whose header names none, with n_ctx automatic.
+FALLBACK_CTX = 4096
+
+
+def plan_load(entry: ModelEntry, settings: ModelSettings, *, explicit_ctx: bool, target_ctx: int,
+              min_ctx: int, free_bytes: int, memory_kind: str, slots: int = 1,
+              embedding: bool = False) -> ContextDecision | None:
+    """The context and GPU layers to load with, or None when the header is
+    unreadable (the worker then fails to load it, exit code 3, and reports why).
+
+    Raises DoesNotFit (400) when nothing fits in ``free_bytes``. Reads the
+    headers of a shard set's further files: call it in a thread.
+    """
+    info = entry.info
+    if info is None:
+        return None
+    opts = kv_options(settings, slots=slots, embedding=embedding)
+    native = info.context_length or target_ctx or FALLBACK_CTX
+    requested = settings.n_ctx if explicit_ctx else None
+    return choose_context(
+        info,
+        weight_bytes=entry.size_bytes,
+        free_bytes=free_bytes,
+        requested=requested,
+        target=min(target_ctx or native, native) if requested is None else None,
+        floor=min(min_ctx, native),
+        opts=opts,
+        reserve_bytes=GPU_RUNTIME_RESERVE if memory_kind == "gpu" else 0,
+        memory_kind=memory_kind,
+        n_gpu_layers=settings.n_gpu_layers if settings.n_gpu_layers is not None else -1,
+        tensors=shard_tensor_sizes(entry, info),
+    )

@@ -1,0 +1,1 @@
+"""Running as a service: systemd, service commands, pull."""

@@ -1,0 +1,1 @@
+"""Model workers: the pool, each worker's handle, engine checks."""

@@ -1,0 +1,527 @@
+"""The worker pool: one WorkerHandle per (model, mode), and the request API.
+
+Route handlers call :meth:`WorkerPool.admit` / ``embed`` / ``tokenize``;
+worker-side failures come back as typed :mod:`supervisor.errors` exceptions.
+The pool decides nothing about the GPU by itself: before admitting a request
+it asks the lease (``admission``) whether model workers may run on the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from supervisor.config import (
+    DEFAULT_PARALLEL_CPU,
+    DEFAULT_PARALLEL_GPU,
+    ModelSettings,
+    parse_duration,
+)
+from supervisor.errors import (
+    NO_RETRY,
+    ApiError,
+    BadRequest,
+    ModelFailed,
+    ModelNotFound,
+    Unavailable,
+    UpstreamError,
+)
+from supervisor.models.library import ModelEntry
+from supervisor.models.memfit import ContextDecision, DoesNotFit
+from supervisor.models.placement import FALLBACK_CTX, measure_free, plan_load
+from supervisor.models.source import LibrarySource
+from supervisor.workers.handle import (
+    NotAccepting,
+    Pending,
+    QueueFull,
+    Timing,
+    WorkerGone,
+    WorkerHandle,
+    WorkerSpec,
+    WorkerState,
+)
+from worker import protocol as p
+
+log = logging.getLogger("gpuvisor.pool")
+
+# Worker error codes that are the client's fault.
+_CLIENT_ERRORS = {"context_length_exceeded", "template_error", "invalid_grammar", "invalid_request"}
+
+
+Admission = Callable[[str], str | None]
+
+
+class PoolConfig(Protocol):
+    n_ctx: int
+    n_threads: int
+    queue_limit: int
+    max_loaded_models: int
+    min_ctx: int
+    memory_budget_mib: int
+    load_wait_timeout: float
+    model_defaults: dict[str, ModelSettings]
+
+    def model_settings(self, model_id: str) -> ModelSettings: ...
+
+
+# How a client or its admin gets a longer context (the 400 says it).
+CONTEXT_HINT = ("For a longer context, load the model with a larger n_ctx: the n_ctx setting "
+                "(or [model_defaults.\"<model>\"] n_ctx in the config), or POST /api/models/<model>/load "
+                "with {\"n_ctx\": N}")
+
+# Inputs per Embed message to a worker.
+EMBED_BATCH = 32
+
+
+def _no_lease(_device: str) -> str | None:
+    return None
+
+
+class WorkerPool:
+    def __init__(self, models: LibrarySource, cfg: PoolConfig, timing: Timing,
+                 run_dir: Path, log_dir: Path, admission: Admission = _no_lease,
+                 device: str = "cpu", reap_interval: float = 0.25) -> None:
+        self.models = models
+        self.cfg = cfg
+        self.timing = timing
+        self.run_dir = run_dir
+        self.log_dir = log_dir
+        self.admission = admission
+        self.device = device
+        self.reap_interval = reap_interval
+        self.handles: dict[tuple[str, bool], WorkerHandle] = {}
+        self.fits: dict[tuple[str, bool], ContextDecision | None] = {}
+        self._lock = asyncio.Lock()
+        self._changed = asyncio.Event()
+        self._reaper: asyncio.Task[None] | None = None
+        # Observers of finished generations (metrics): called with (model, Done).
+        self.on_done: list[Callable[[str, p.Done], None]] = []
+
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap_idle(), name="keep-alive")
+
+    # ------------------------------------------------------------ loading
+
+    async def load(self, model_id: str, embedding: bool = False,
+                   options: ModelSettings | None = None) -> WorkerHandle:
+        """The handle for a model, starting its worker if needed.
+
+        ``options`` come from an explicit load (``POST /api/models/{id}/load``):
+        the same settings as the running worker are a no-op, different ones
+        reload it, and a failed model is started afresh. Request-driven loads
+        pass none and reuse whatever is loaded.
+        """
+        self._check_admission()
+        key = (model_id, embedding)
+        handle = self.handles.get(key)
+        if options is None and handle is not None:
+            return handle
+        async with self._lock:
+            handle = self.handles.get(key)
+            settings = (options or ModelSettings()).over(self.cfg.model_settings(model_id))
+            if handle is not None and options is None:
+                return handle
+            entry = self.models.entry(model_id)
+            if entry is None:
+                raise ModelNotFound(f"model '{model_id}' does not exist", param="model")
+            if handle is not None:
+                if handle.state is not WorkerState.FAILED and self._unchanged(handle, entry, options, settings):
+                    handle.keep_alive = parse_duration(settings.keep_alive or 0)
+                    return handle
+                await self._drop(key, f"model {model_id} is being reloaded with new settings")
+            return await self._start_handle(key, entry, settings, explicit_ctx=bool(options and options.n_ctx))
+
+    def _unchanged(self, handle: WorkerHandle, entry: ModelEntry, options: ModelSettings | None,
+                   settings: ModelSettings) -> bool:
+        if options is None:
+            return True
+        s = handle.spec
+        want_ctx = options.n_ctx if options.n_ctx is not None else s.n_ctx
+        want = (Path(entry.path), want_ctx, settings.n_gpu_layers, settings.cache_type, settings.draft_ngram,
+                self._parallel(settings))
+        # Partial offload runs fewer GPU layers than were asked for: compare what was asked.
+        fit = self.fits.get((s.model_id, s.embedding))
+        asked = fit.n_gpu_layers_asked if fit is not None else s.n_gpu_layers
+        return want == (s.path, s.n_ctx, asked, s.cache_type, s.draft_ngram, s.parallel)
+
+    def _parallel(self, settings: ModelSettings) -> int:
+        if settings.parallel:
+            return settings.parallel
+        # More slots than cores only slow each stream down on the CPU.
+        return DEFAULT_PARALLEL_CPU if self.device == "cpu" else DEFAULT_PARALLEL_GPU
+
+    async def _start_handle(self, key: tuple[str, bool], entry: ModelEntry, settings: ModelSettings,
+                            explicit_ctx: bool) -> WorkerHandle:
+        model_id, embedding = key
+        await self._make_room_by_count(model_id)
+        # A context set for this model in the config is as explicit as one in a load body.
+        own = self.cfg.model_defaults.get(model_id)
+        explicit_ctx = explicit_ctx or (own is not None and own.n_ctx is not None)
+        parallel = self._parallel(settings)
+        decision = await self._fit(entry, settings, explicit_ctx, parallel, embedding)
+        n_ctx = decision.n_ctx if decision is not None else (settings.n_ctx or self.cfg.n_ctx or FALLBACK_CTX)
+        gpu_layers = settings.n_gpu_layers if settings.n_gpu_layers is not None else -1
+        if decision is not None:
+            gpu_layers = decision.n_gpu_layers  # fewer than asked with partial offload
+        spec = WorkerSpec(model_id, Path(entry.path), embedding, n_ctx, gpu_layers,
+                          self.cfg.n_threads, self.device, settings.cache_type or "f16",
+                          settings.draft_ngram or 0, parallel)
+        handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit)
+        handle.keep_alive = parse_duration(settings.keep_alive or 0)
+        self.handles[key] = handle
+        self.fits[key] = decision
+        handle.start()
+        self._signal()
+        return handle
+
+    async def _fit(self, entry: ModelEntry, settings: ModelSettings,
+                   explicit_ctx: bool, parallel: int, embedding: bool) -> ContextDecision | None:
+        deadline = asyncio.get_running_loop().time() + self.cfg.load_wait_timeout
+        while True:
+            committed = [f.needed_bytes for f in self.fits.values() if f is not None]
+            free, kind = await measure_free(self.cfg.memory_budget_mib << 20, committed)
+            try:
+                # In a thread: it reads the headers of a shard set's further files.
+                decision = await asyncio.to_thread(
+                    plan_load, entry, settings, explicit_ctx=explicit_ctx, target_ctx=self.cfg.n_ctx,
+                    min_ctx=self.cfg.min_ctx, free_bytes=free, memory_kind=kind, slots=parallel,
+                    embedding=embedding)
+                # Idle models give way before layers go to the CPU; busy ones are not waited for.
+                if decision is not None and decision.partial_offload and await self._evict_lru(
+                        f"evicted to make room for all layers of {entry.id}"):
+                    continue
+                return decision
+            except DoesNotFit:
+                if await self._evict_lru(f"evicted to make room for {entry.id}"):
+                    continue
+                if not self._others_loaded() or not await self._wait_change(deadline):
+                    raise
+                # A busy model may go idle (then it can be evicted): try again.
+
+    async def _make_room_by_count(self, model_id: str) -> None:
+        deadline = asyncio.get_running_loop().time() + self.cfg.load_wait_timeout
+        while len(self._live()) >= self.cfg.max_loaded_models:
+            if await self._evict_lru(f"evicted to make room for {model_id}"):
+                continue
+            if not await self._wait_change(deadline):
+                raise Unavailable(
+                    f"all {self.cfg.max_loaded_models} loaded models are busy; "
+                    f"'{model_id}' cannot be loaded now", retry_after=5, code="no_capacity")
+
+    def _live(self) -> list[WorkerHandle]:
+        # Failed and stopped handles hold no process and no memory.
+        return [h for h in self.handles.values()
+                if h.state not in (WorkerState.FAILED, WorkerState.STOPPED)]
+
+    def _others_loaded(self) -> bool:
+        return bool(self._live())
+
+    async def _evict_lru(self, reason: str) -> bool:
+        """Stop the least recently used idle worker; False when none is idle."""
+        idle = [(h.last_used, key) for key, h in self.handles.items()
+                if not h.busy and h.state is not WorkerState.STARTING]
+        if not idle:
+            return False
+        _, key = min(idle)
+        log.info("%s: stopping idle %s", reason, key[0])
+        await self._drop(key, reason)
+        return True
+
+    async def _drop(self, key: tuple[str, bool], reason: str) -> None:
+        handle = self.handles.pop(key, None)
+        self.fits.pop(key, None)
+        if handle is not None:
+            await handle.stop(reason, "evicted")
+        self._signal()
+
+    async def _wait_change(self, deadline: float) -> bool:
+        """Wait for any handle to change state; False once the deadline passed."""
+        loop = asyncio.get_running_loop()
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return False
+        waiters = [asyncio.ensure_future(h.changed.wait()) for h in self.handles.values()]
+        waiters.append(asyncio.ensure_future(self._changed.wait()))
+        for h in self.handles.values():
+            h.changed.clear()
+        self._changed.clear()
+        try:
+            await asyncio.wait(waiters, timeout=min(remaining, 1.0), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+        return True
+
+    def _signal(self) -> None:
+        self._changed.set()
+
+    async def _reap_idle(self) -> None:
+        """Unload workers idle for longer than their keep-alive."""
+        while True:
+            await asyncio.sleep(self.reap_interval)
+            now = asyncio.get_running_loop().time()
+            for key, h in list(self.handles.items()):
+                if h.busy or h.keep_alive < 0 or h.state is not WorkerState.READY:
+                    continue
+                if now - h.last_used >= h.keep_alive:
+                    log.info("unloading %s: idle for %.0fs (keep-alive)", key[0], now - h.last_used)
+                    await self._drop(key, "keep-alive expired")
+
+    async def unload(self, model_id: str) -> bool:
+        keys = [k for k in self.handles if k[0] == model_id]
+        for key in keys:
+            await self._drop(key, f"model {model_id} was unloaded")
+        return bool(keys)
+
+    async def stop_all(self, reason: str = "the service is shutting down") -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+        handles = list(self.handles.values())
+        self.handles.clear()
+        self.fits.clear()
+        await asyncio.gather(*(h.stop(reason) for h in handles))
+
+    async def vacate(self, device: str, drain_timeout: float, reason: str) -> None:
+        """GPU lease hook: idle workers go now, busy ones drain, all are stopped."""
+        victims = [(k, h) for k, h in self.handles.items() if h.spec.device == device]
+        for key, _ in victims:
+            self.handles.pop(key, None)
+            self.fits.pop(key, None)
+        await asyncio.gather(*(
+            h.drain(drain_timeout if h.busy else 0.0, reason, "evicted") for _, h in victims))
+
+    def _check_admission(self) -> None:
+        why = self.admission(self.device)
+        if why is not None:
+            raise Unavailable(why, retry_after=10, code="gpu_busy")
+
+    # ------------------------------------------------------------ requests
+
+    def _submit(self, handle: WorkerHandle, msg: p.Generate | p.Embed | p.Tokenize) -> Pending:
+        self._check_admission()
+        try:
+            return handle.submit(msg)
+        except QueueFull as exc:
+            raise Unavailable(str(exc), retry_after=2, code="queue_full") from exc
+        except NotAccepting as exc:
+            if exc.state is WorkerState.FAILED:
+                raise ModelFailed(f"model '{handle.spec.model_id}' failed: {exc.reason}; "
+                                  f"load it again to retry (POST /api/models/{handle.spec.model_id}/load)") from exc
+            raise Unavailable(f"model '{handle.spec.model_id}' is {exc.state.value}: {exc.reason}",
+                              retry_after=5, code="model_unavailable") from exc
+
+    async def facts(self, model_id: str, embedding: bool = False) -> p.ModelFacts:
+        handle = await self.load(model_id, embedding)
+        while handle.facts is None:
+            if handle.state is WorkerState.FAILED:
+                raise ModelFailed(f"model '{model_id}' failed: {handle.reason}; "
+                                  f"load it again to retry (POST /api/models/{model_id}/load)")
+            if handle.state in (WorkerState.STOPPING, WorkerState.STOPPED):
+                # Unloaded before it was ever ready: nothing will fill the facts in.
+                raise Unavailable(f"model '{model_id}' was unloaded while it loaded",
+                                  retry_after=1, code="model_unavailable")
+            handle.changed.clear()
+            await handle.changed.wait()
+        return handle.facts
+
+    async def admit(
+        self,
+        model: str,
+        *,
+        messages: list[p.ChatMessage] | None = None,
+        prompt: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        params: p.SamplingParams | None = None,
+        template_vars: dict[str, Any] | None = None,
+        request_id: str = "",
+        keep_alive: float | None = None,
+    ) -> Generation:
+        """Load the model and queue one completion now, so that a refusal
+        (queue full, GPU busy, model failed) raises before any output.
+
+        ``keep_alive`` (seconds; 0 = unload after this request, negative =
+        keep loaded) overrides how long the model stays loaded afterwards.
+        """
+        handle = await self.load(model)
+        if keep_alive is not None:
+            handle.keep_alive = keep_alive
+        msg = p.Generate(0, params or p.SamplingParams(), messages, prompt, tools,
+                         template_vars or {}, request_id)
+        return Generation(self, model, handle, self._submit(handle, msg))
+
+    async def _call(self, model: str, embedding: bool, msg: p.Embed | p.Tokenize) -> p.FromWorker:
+        handle = await self.load(model, embedding)
+        pend = self._submit(handle, msg)
+        try:
+            ev = await pend.events.get()
+        finally:
+            handle.cancel(pend)
+        if isinstance(ev, (p.Error, WorkerGone)):
+            raise _as_api_error(ev, msg)
+        return ev
+
+    async def embed(self, model: str, inputs: list[str]) -> p.Embeddings:
+        # In batches: every reply frame stays far below the IPC frame limit
+        # (2,048 inputs of 4,096 floats would be about 75 MB in one frame).
+        vectors: list[list[float]] = []
+        tokens = 0
+        for start in range(0, max(1, len(inputs)), EMBED_BATCH):
+            ev = await self._call(model, True, p.Embed(0, inputs[start : start + EMBED_BATCH]))
+            assert isinstance(ev, p.Embeddings)
+            vectors += ev.vectors
+            tokens += ev.prompt_tokens
+        return p.Embeddings(0, vectors, tokens)
+
+    async def tokenize(self, model: str, text: str, add_special: bool = True) -> list[int]:
+        ev = await self._call(model, False, p.Tokenize(0, text, add_special))
+        assert isinstance(ev, p.Tokens)
+        return ev.tokens
+
+    # ------------------------------------------------------------ views
+
+    def status(self, model_id: str) -> dict[str, Any] | None:
+        handle = self.handles.get((model_id, False)) or self.handles.get((model_id, True))
+        return None if handle is None else describe(handle)
+
+    def workers(self) -> list[dict[str, Any]]:
+        return [describe(h) for h in self.handles.values()]
+
+    def readiness(self) -> dict[str, bool]:
+        """Per model with a generation worker: does it serve chat and completions?
+
+        A model's embedding worker does not make it ready: it serves only
+        ``/v1/embeddings``.
+        """
+        return {model: h.state is WorkerState.READY
+                for (model, embedding), h in self.handles.items() if not embedding}
+
+
+def describe(h: WorkerHandle) -> dict[str, Any]:
+    expires = None
+    if h.keep_alive >= 0 and h.state is WorkerState.READY:
+        left = h.keep_alive - (h.clock() - h.last_used)
+        expires = None if h.busy else round(time.time() + max(0.0, left), 3)
+    return {
+        "keep_alive_s": h.keep_alive,
+        "keep_alive_expires_at": expires,
+        "load_progress": h.load_progress,
+        "model": h.spec.model_id,
+        "mode": "embedding" if h.spec.embedding else "generate",
+        "state": h.state.value,
+        "pid": h.pid,
+        "restarts": h.restarts,
+        "restarts_by_cause": {c.value: n for c, n in h.restarts_by_cause.items()},
+        "reason": h.reason,
+        "queued": len(h.queue),
+        "in_flight": len(h.inflight),
+        "parallel": h.spec.parallel,
+        "device": h.spec.device,
+        "n_ctx": h.facts.n_ctx if h.facts else None,
+        "stats": None if h.stats is None else {
+            "busy": h.stats.busy, "requests_done": h.stats.requests_done,
+            "requests_cancelled": h.stats.requests_cancelled,
+            "tokens_generated": h.stats.tokens_generated},
+    }
+
+
+class Generation:
+    """The outputs of one admitted completion, ending with ``Done``.
+
+    ``aclose()`` withdraws or cancels it in the worker (a no-op once it has
+    finished); unlike a generator's, it works even if never iterated.
+    """
+
+    def __init__(self, pool: WorkerPool, model: str, handle: WorkerHandle, pend: Pending) -> None:
+        self._pool = pool
+        self._model = model
+        self._handle = handle
+        self._pend = pend
+        self._ended = False
+        # An output ``accepted()`` read past the worker's Started, kept for iteration.
+        self._ahead: p.FromWorker | WorkerGone | None = None
+        self._accepted = False
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def accepted(self) -> None:
+        """Wait until the worker takes the request (its prompt fits, prefill
+        begins). A rejection (too long, bad grammar, worker gone) raises here
+        as an ``ApiError``. Cancelling the wait leaves the request queued."""
+        if self._ended or self._accepted:
+            return
+        ev = await self._pend.events.get()
+        self._accepted = True
+        if isinstance(ev, p.Started):
+            return
+        self._ahead = ev
+        if not isinstance(ev, (p.Delta, p.Done)):
+            await self.aclose()
+            raise _as_api_error(ev, self._pend.msg)
+
+    async def _next(self) -> p.FromWorker | WorkerGone:
+        if self._ahead is not None:
+            ev, self._ahead = self._ahead, None
+            return ev
+        while isinstance(ev := await self._pend.events.get(), p.Started):
+            self._accepted = True
+        return ev
+
+    async def __anext__(self) -> p.Delta | p.Done:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            ev = await self._next()
+        except BaseException:
+            await self.aclose()
+            raise
+        if isinstance(ev, p.Delta):
+            return ev
+        await self.aclose()
+        if isinstance(ev, p.Done):
+            for observe in self._pool.on_done:
+                observe(self._model, ev)
+            return ev
+        raise _as_api_error(ev, self._pend.msg)
+
+    async def aclose(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._handle.cancel(self._pend)
+
+
+def _blamed_param(code: str, msg: p.Generate | p.Embed | p.Tokenize) -> str | None:
+    """The request field a worker-side client error is about."""
+    if code == "invalid_grammar":
+        return "response_format"
+    if code in ("context_length_exceeded", "template_error"):
+        if isinstance(msg, p.Generate):
+            return "messages" if msg.messages is not None else "prompt"
+        return "input"
+    return None
+
+
+def _as_api_error(ev: p.Error | WorkerGone | p.FromWorker, msg: p.Generate | p.Embed | p.Tokenize) -> ApiError:
+    if isinstance(ev, WorkerGone):
+        if ev.code == "worker_crashed":
+            # The same request may crash the restarted worker again.
+            return UpstreamError(ev.message, code=ev.code, headers=dict(NO_RETRY))
+        if ev.code == "evicted":
+            return UpstreamError(ev.message, code=ev.code)
+        if ev.code == "model_failed":
+            return ModelFailed(ev.message)
+        return Unavailable(ev.message, retry_after=5, code=ev.code)
+    if isinstance(ev, p.Error):
+        if ev.code == "context_length_exceeded":
+            return BadRequest(f"{ev.message}. {CONTEXT_HINT}", code=ev.code, param=_blamed_param(ev.code, msg))
+        if ev.code in _CLIENT_ERRORS:
+            return BadRequest(ev.message, code=ev.code, param=_blamed_param(ev.code, msg))
+        if ev.code == "busy":
+            return Unavailable(ev.message, retry_after=1, code="worker_busy")
+        return UpstreamError(ev.message, code=ev.code)
+    return UpstreamError(f"unexpected worker reply {type(ev).__name__}")
