@@ -22,15 +22,8 @@ from aiohttp import web
 
 from jobs.params import Roots
 from supervisor.api.io import error_response
-from supervisor.api.jobs import (
-    JOB_RUNNER,
-    JOB_SETTINGS,
-    JOB_STORE,
-    LEASE,
-    JobSettings,
-    add_routes,
-)
-from supervisor.appkeys import CONFIG
+from supervisor.api.jobs import JobSettings, add_routes
+from supervisor.appkeys import CONFIG, JOB_RUNNER, JOB_SETTINGS, JOB_STORE, LEASE
 from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.errors import ApiError

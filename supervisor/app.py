@@ -25,7 +25,21 @@ from supervisor.api import models as routes_models
 from supervisor.api import openai as routes_openai
 from supervisor.api import web as routes_web
 from supervisor.api.io import answer_and_close, error_response, json_response
-from supervisor.appkeys import CONFIG, DB, ENGINE_CHECK, LIBRARY, POOL, STARTED_AT
+from supervisor.appkeys import (
+    AUTH,
+    CONFIG,
+    DB,
+    ENGINE_CHECK,
+    JOB_RUNNER,
+    JOB_SETTINGS,
+    JOB_STORE,
+    LEASE,
+    LIBRARY,
+    METRICS,
+    POOL,
+    SHUTDOWN,
+    STARTED_AT,
+)
 from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
@@ -143,10 +157,10 @@ async def lab_ctx(app: web.Application) -> AsyncIterator[None]:
         heartbeat_timeout_s=cfg.job_heartbeat_timeout, stop_timeout_s=cfg.job_grace_s,
         retention_s=cfg.job_retention_days * 86400, extra_env=extra_env))
     app[POOL] = pool
-    app[routes_jobs.LEASE] = lease
-    app[routes_jobs.JOB_STORE] = runner.store
-    app[routes_jobs.JOB_RUNNER] = runner
-    app[routes_jobs.JOB_SETTINGS] = routes_jobs.JobSettings(
+    app[LEASE] = lease
+    app[JOB_STORE] = runner.store
+    app[JOB_RUNNER] = runner
+    app[JOB_SETTINGS] = routes_jobs.JobSettings(
         roots, max_upload_bytes=cfg.max_upload_bytes, model_lookup=source.resolve)
     await runner.start()
     for model_id in preload_list(cfg, source):
@@ -210,9 +224,9 @@ def build_app(cfg: Config) -> web.Application:
     ], client_max_size=cfg.max_body_bytes)
     app[CONFIG] = cfg
     app[STARTED_AT] = time.time()
-    app[auth.AUTH] = gate
-    app[metrics.METRICS] = stats
-    app[shutdown.SHUTDOWN] = shutdown.ShutdownState()
+    app[AUTH] = gate
+    app[METRICS] = stats
+    app[SHUTDOWN] = shutdown.ShutdownState()
     app.cleanup_ctx.extend([db_ctx, library_ctx, lab_ctx, engine_check_ctx])
     # After the contexts that provide the database and the pool.
     responses.setup(app, retention_s=cfg.responses_retention_days * 86400,

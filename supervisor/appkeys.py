@@ -1,4 +1,6 @@
-"""Typed application state keys (no module globals hold live objects)."""
+"""Every typed application state key, in one place (no module globals hold
+live objects). The types are imported for checking only, so any module may
+import this one without an import circle."""
 
 from __future__ import annotations
 
@@ -7,15 +9,40 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 if TYPE_CHECKING:
+    from supervisor.api.auth import Auth
+    from supervisor.api.jobs import JobSettings
+    from supervisor.api.metrics import Metrics
+    from supervisor.api.shutdown import ShutdownState
+    from supervisor.api.web import AssetTable
     from supervisor.config import Config
     from supervisor.db import Database
+    from supervisor.lab.lease import GpuLease
+    from supervisor.lab.runner import JobRunner
+    from supervisor.lab.store import JobStore
     from supervisor.models.library import ModelLibrary
+    from supervisor.responses.lifecycle import ResponsesApi
     from supervisor.workers.engine_check import EngineCheck
     from supervisor.workers.pool import WorkerPool
 
+# Wiring and models
 CONFIG: web.AppKey[Config] = web.AppKey("config")
-POOL: web.AppKey[WorkerPool] = web.AppKey("pool")
 DB: web.AppKey[Database] = web.AppKey("db")
 STARTED_AT: web.AppKey[float] = web.AppKey("started_at")
+POOL: web.AppKey[WorkerPool] = web.AppKey("pool")
 LIBRARY: web.AppKey[ModelLibrary] = web.AppKey("library")
 ENGINE_CHECK: web.AppKey[EngineCheck] = web.AppKey("engine_check")
+
+# Jobs and the device lease
+LEASE: web.AppKey[GpuLease] = web.AppKey("lease")
+JOB_STORE: web.AppKey[JobStore] = web.AppKey("job_store")
+JOB_RUNNER: web.AppKey[JobRunner] = web.AppKey("job_runner")
+JOB_SETTINGS: web.AppKey[JobSettings] = web.AppKey("job_settings")
+
+# HTTP services
+AUTH: web.AppKey[Auth] = web.AppKey("auth")
+METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
+SHUTDOWN: web.AppKey[ShutdownState] = web.AppKey("shutdown")
+RESPONSES: web.AppKey[ResponsesApi] = web.AppKey("responses")
+ASSETS: web.AppKey[AssetTable] = web.AppKey("web_assets")
+OPENAPI_DOCUMENT: web.AppKey[bytes] = web.AppKey("openapi_document")
+JOB_SCHEMA_ROUTES: web.AppKey[bool] = web.AppKey("job_schema_routes")

@@ -19,8 +19,8 @@ from aiohttp import web
 
 from supervisor import logs
 from supervisor.api import proxies
-from supervisor.api.shutdown import SHUTDOWN
 from supervisor.app import build_app
+from supervisor.appkeys import SHUTDOWN
 from supervisor.config import Config, ConfigError, load_config
 from supervisor.service import commands as service_cli
 from supervisor.service import systemd

@@ -28,10 +28,11 @@ from pydantic import TypeAdapter
 
 from supervisor import appkeys
 from supervisor.app import error_middleware
+from supervisor.appkeys import RESPONSES
 from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.errors import BadRequest, UpstreamError
-from supervisor.responses import RESPONSES, RESPONSES_SCHEMA, setup
+from supervisor.responses import RESPONSES_SCHEMA, setup
 from supervisor.responses.background import BackgroundTasks
 from supervisor.responses.models import CreateRequest, decode_items
 from supervisor.responses.objects import new_response

@@ -42,7 +42,7 @@ from aiohttp.typedefs import Middleware
 
 from supervisor.api.io import json_response
 from supervisor.api.proxies import client_key, is_loopback_host
-from supervisor.appkeys import CONFIG, DB
+from supervisor.appkeys import AUTH, CONFIG, DB
 from supervisor.config import AuthMode, Config
 from supervisor.db import Database
 from supervisor.errors import (
@@ -549,7 +549,6 @@ class Auth:
 
 # ---------------------------------------------------------------- login page
 
-AUTH: web.AppKey[Auth] = web.AppKey("auth", Auth)
 
 _LOGIN_PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>gpuvisor: sign in</title></head>

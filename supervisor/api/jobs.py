@@ -30,11 +30,9 @@ from supervisor.api.io import (
     json_response,
     read_body,
 )
-from supervisor.appkeys import ENGINE_CHECK
+from supervisor.appkeys import ENGINE_CHECK, JOB_RUNNER, JOB_SETTINGS, JOB_STORE, LEASE
 from supervisor.errors import BadRequest, PayloadTooLarge
 from supervisor.lab.hub import Subscription
-from supervisor.lab.lease import GpuLease
-from supervisor.lab.runner import JobRunner
 from supervisor.lab.store import FINISHED, JobStore
 from supervisor.workers.engine_check import EngineBuild
 
@@ -54,10 +52,6 @@ class JobSettings:
     model_lookup: ModelLookup | None = None
 
 
-JOB_STORE: web.AppKey[JobStore] = web.AppKey("job_store", JobStore)
-JOB_RUNNER: web.AppKey[JobRunner] = web.AppKey("job_runner", JobRunner)
-LEASE: web.AppKey[GpuLease] = web.AppKey("lease", GpuLease)
-JOB_SETTINGS: web.AppKey[JobSettings] = web.AppKey("job_settings", JobSettings)
 
 
 class SubmitBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -27,8 +27,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from supervisor.api.jobs import LEASE
-from supervisor.appkeys import DB, POOL
+from supervisor.appkeys import DB, LEASE, METRICS, POOL
 from worker.protocol import Done
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -185,7 +184,6 @@ class Snapshot:
         return [jobs, hist]
 
 
-METRICS: web.AppKey[Metrics] = web.AppKey("metrics", Metrics)
 
 
 async def snapshot(app: web.Application) -> Snapshot:

@@ -24,6 +24,7 @@ from aiohttp import web
 from jobs.params import job_kinds
 from supervisor.api.jobs import CancelBody, SubmitBody
 from supervisor.api.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
+from supervisor.appkeys import OPENAPI_DOCUMENT
 from supervisor.config import ModelSettings
 from supervisor.errors import ErrorEnvelope
 from supervisor.responses.models import CreateRequest
@@ -306,13 +307,12 @@ def _version() -> str:
 
 
 # The encoded document: routes and Structs are fixed once the app is built.
-DOCUMENT: web.AppKey[bytes] = web.AppKey("openapi_document", bytes)
 
 
 async def openapi_json(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[DOCUMENT], content_type=JSON)
+    return web.Response(body=request.app[OPENAPI_DOCUMENT], content_type=JSON)
 
 
 def add_routes(app: web.Application) -> None:
-    app[DOCUMENT] = msgspec.json.encode(build_document())
+    app[OPENAPI_DOCUMENT] = msgspec.json.encode(build_document())
     app.router.add_get(OPENAPI_PATH, openapi_json)

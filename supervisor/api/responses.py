@@ -12,9 +12,9 @@ from typing import Literal
 from aiohttp import web
 
 from supervisor.api.io import SseWriter, decode_body, json_response
+from supervisor.appkeys import RESPONSES
 from supervisor.errors import BadRequest
 from supervisor.responses.events import Event
-from supervisor.responses.lifecycle import RESPONSES
 from supervisor.responses.models import CreateRequest, validate
 from supervisor.responses.service import ResponsesService, ResponseStream
 

@@ -15,10 +15,10 @@ from aiohttp import web
 
 from jobs.params import KindSpec, job_kinds
 from supervisor.api.io import json_response
+from supervisor.appkeys import JOB_SCHEMA_ROUTES
 
 SCHEMA_PATH = "/api/jobs/schema"
 # Marks an app whose schema route is registered (add_routes is idempotent).
-_REGISTERED: web.AppKey[bool] = web.AppKey("job_schema_routes", bool)
 
 
 def kind_schema(spec: KindSpec) -> dict[str, Any]:
@@ -47,7 +47,7 @@ async def job_schema(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    if app.get(_REGISTERED):
+    if app.get(JOB_SCHEMA_ROUTES):
         return
-    app[_REGISTERED] = True
+    app[JOB_SCHEMA_ROUTES] = True
     app.router.add_get(SCHEMA_PATH, job_schema)

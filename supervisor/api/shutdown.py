@@ -17,8 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from supervisor.api.jobs import JOB_RUNNER
-from supervisor.appkeys import CONFIG, POOL
+from supervisor.appkeys import CONFIG, JOB_RUNNER, POOL, SHUTDOWN
 from supervisor.errors import Unavailable
 
 log = logging.getLogger("gpuvisor.shutdown")
@@ -34,7 +33,6 @@ class ShutdownState:
         self.hurry = asyncio.Event()
 
 
-SHUTDOWN: web.AppKey[ShutdownState] = web.AppKey("shutdown", ShutdownState)
 
 
 @web.middleware

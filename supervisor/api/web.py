@@ -25,6 +25,7 @@ from aiohttp import web
 
 import web as web_pkg
 from supervisor.api import schema as routes_schema
+from supervisor.appkeys import ASSETS
 from supervisor.errors import NotFound
 
 WEB_ROOT = Path(web_pkg.__file__).resolve().parent
@@ -154,7 +155,6 @@ class AssetTable:
         return pattern.sub(sub, text).encode("utf-8")
 
 
-ASSETS: web.AppKey[AssetTable] = web.AppKey("web_assets", AssetTable)
 
 
 def _not_modified(request: web.Request, asset: Asset) -> bool:

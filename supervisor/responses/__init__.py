@@ -22,11 +22,12 @@ from __future__ import annotations
 from aiohttp import web
 
 from supervisor.api.responses import add_routes
+from supervisor.appkeys import RESPONSES
 from supervisor.responses.background import (
     DEFAULT_PRUNE_INTERVAL_S,
     DEFAULT_RETENTION_S,
 )
-from supervisor.responses.lifecycle import RESPONSES, ResponsesApi
+from supervisor.responses.lifecycle import ResponsesApi
 from supervisor.responses.service import DEFAULT_KEEPALIVE_S
 from supervisor.responses.store import RESPONSE_EVENTS_SCHEMA, RESPONSES_SCHEMA
 

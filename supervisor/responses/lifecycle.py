@@ -70,4 +70,3 @@ class ResponsesApi:
             await self.stop()
 
 
-RESPONSES: web.AppKey[ResponsesApi] = web.AppKey("responses", ResponsesApi)

@@ -19,8 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from supervisor.api.jobs import LEASE
-from supervisor.appkeys import DB, POOL
+from supervisor.appkeys import DB, LEASE, POOL
 
 log = logging.getLogger("gpuvisor.systemd")
 
