@@ -78,3 +78,27 @@ def save_screens(src: Path, names: list[str], dest: Path) -> None:
     for name in names:
         if (src / name).exists():
             shutil.copy(src / name, dest / name)
+
+
+def new_page(browser: Any, origin: str, viewport: dict[str, int] | None = None,
+             dark: bool = False, timeout_ms: int = 20_000) -> tuple[Any, Any, PageWatch]:
+    """A fresh context and page (light or dark colour scheme) with a PageWatch."""
+    context = browser.new_context(viewport=viewport or DESKTOP, color_scheme="dark" if dark else "light")
+    context.set_default_timeout(timeout_ms)
+    pg = context.new_page()
+    watch = PageWatch(origin)
+    watch.attach(pg)
+    return context, pg, watch
+
+
+def shoot(pg: Any, dest: Path, name: str, full_page: bool = False, both: bool = True) -> Path:
+    """Save ``name``.png as the page looks now and, with ``both``, also
+    ``name``-dark.png under prefers-color-scheme: dark (then back to light)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    path = dest / f"{name}.png"
+    pg.screenshot(path=str(path), full_page=full_page)
+    if both:
+        pg.emulate_media(color_scheme="dark")
+        pg.screenshot(path=str(dest / f"{name}-dark.png"), full_page=full_page)
+        pg.emulate_media(color_scheme="light")
+    return path

@@ -134,8 +134,12 @@ def test_dataset_upload_job_succeeds(page: tuple[Any, PageWatch], server: Server
     pg.locator("#submit-dataset button[type=submit]").click()
     pg.wait_for_function("() => /^#\\/jobs\\/job_[0-9a-f]+$/.test(location.hash)")
     pg.locator(".job-head .badge", has_text="succeeded").wait_for()
-    pg.locator("section[aria-label=Result] pre").wait_for()
-    result = json.loads(pg.locator("section[aria-label=Result] pre").inner_text())
+    # The summary first; the raw JSON is collapsed under it.
+    pg.locator("section[aria-label=Result] .result-summary").wait_for()
+    raw = pg.locator("section[aria-label=Result] details.raw-result")
+    assert not raw.locator("pre").is_visible()
+    raw.locator("summary").click()
+    result = json.loads(raw.locator("pre").inner_text())
     assert result, "the job's result is shown"
     assert pg.locator(".pct").inner_text() == "100%"
     assert pg.locator(".stream-state").inner_text() == "finished"

@@ -169,3 +169,17 @@ export async function uploadDataset(file) {
 export function modelPath(id) {
   return id.split('/').map(encodeURIComponent).join('/');
 }
+
+// Which routes this server has, from its OpenAPI document (fetched once), so
+// the UI can use a newer route without asking an older server for it.
+let spec = null;
+export function hasRoute(method, path) {
+  spec ??= getJson('openapi.json').catch(() => ({ paths: {} }));
+  return spec.then((doc) => Boolean(doc.paths?.[path]?.[method.toLowerCase()]));
+}
+
+// The base URL of the OpenAI-compatible API as this browser reaches it
+// (right behind a proxy, under a path prefix too).
+export function apiBase() {
+  return new URL('v1', document.baseURI).href;
+}

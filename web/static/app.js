@@ -7,6 +7,7 @@ import * as models from './page-models.js';
 import * as jobs from './page-jobs.js';
 import * as job from './page-job.js';
 import * as chat from './page-chat.js';
+import * as api from './page-api.js';
 
 const ROUTES = [
   { pattern: /^\/?$/, page: overview, nav: 'overview', title: 'Overview' },
@@ -14,6 +15,7 @@ const ROUTES = [
   { pattern: /^\/jobs\/?$/, page: jobs, nav: 'jobs', title: 'Jobs' },
   { pattern: /^\/jobs\/([^/]+)$/, page: job, nav: 'jobs', title: 'Job' },
   { pattern: /^\/chat\/?$/, page: chat, nav: 'chat', title: 'Chat' },
+  { pattern: /^\/api\/?$/, page: api, nav: 'api', title: 'API' },
 ];
 
 const main = document.getElementById('main');

@@ -95,3 +95,35 @@ export function errorBox(err, prefix = '') {
 export function safeId(...parts) {
   return parts.join('-').replace(/[^A-Za-z0-9_-]/g, '_');
 }
+
+// Tables stack into one card per row on narrow screens (see .stack in the
+// CSS): each cell carries its column's name for the label it shows there.
+export function stackTable(table) {
+  table.classList.add('stack');
+  const heads = [...table.querySelectorAll('thead th')].map((th) => th.textContent);
+  for (const tr of table.querySelectorAll('tbody tr')) {
+    const cells = [...tr.children];
+    if (cells.length === 1 && cells[0].colSpan > 1) continue; // a detail row spanning the table
+    cells.forEach((td, i) => { if (heads[i]) td.dataset.label = heads[i]; });
+  }
+  return table;
+}
+
+// A button that copies text to the clipboard and says so.
+export function copyButton(getText, label = 'Copy') {
+  const btn = h('button', { type: 'button', class: 'secondary small copy', text: label });
+  btn.addEventListener('click', async () => {
+    const text = typeof getText === 'function' ? getText() : getText;
+    try {
+      await navigator.clipboard.writeText(text);
+      btn.textContent = 'Copied';
+    } catch {
+      // No clipboard (plain http on another host): select the text instead.
+      const pre = btn.closest('.code-block')?.querySelector('pre');
+      if (pre) getSelection().selectAllChildren(pre);
+      btn.textContent = 'Press Ctrl+C';
+    }
+    setTimeout(() => { btn.textContent = label; }, 1500);
+  });
+  return btn;
+}

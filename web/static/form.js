@@ -2,7 +2,7 @@
 // /api/jobs/schema). Values are checked against the same bounds before
 // sending; errors from the API (`param: "params.<field>"`) land next to the
 // field they name.
-import { h, safeId } from './dom.js';
+import { h, replace, safeId } from './dom.js';
 
 const VISIBLE_OPTIONAL = 6; // optional fields shown before "More options"
 
@@ -38,22 +38,33 @@ function rangeHint(spec) {
   return [left, right].filter(Boolean).join(', ');
 }
 
+// Help when neither the hints nor the schema say anything: the default.
+function defaultHint(spec, required) {
+  if (required) return 'Required.';
+  if (spec.default === null || spec.default === undefined) return 'Optional; leave empty for the automatic choice.';
+  if (typeof spec.default === 'boolean') return `Default: ${spec.default ? 'on' : 'off'}.`;
+  if (Array.isArray(spec.default)) return spec.default.length ? `Default: ${spec.default.join(', ')}.` : 'Optional.';
+  return `Default: ${typeof spec.default === 'object' ? JSON.stringify(spec.default) : spec.default}.`;
+}
+
 class Field {
-  constructor(formId, name, prop, required, hint) {
+  constructor(formId, name, prop, required, hint, { label, noneLabel } = {}) {
     this.name = name;
     this.spec = unwrap(prop);
     this.kind = kindOf(this.spec);
     this.required = required;
     const id = safeId(formId, name);
+    this.id = id;
+    this.noneLabel = noneLabel;
     this.errorEl = h('p', { class: 'field-error', id: `${id}-error`, 'aria-live': 'polite' });
     this.input = this.makeInput(id);
     this.input.setAttribute('aria-describedby', `${id}-error ${id}-help`);
-    const helpText = [hint ?? this.spec.description, rangeHint(this.spec)].filter(Boolean).join(' · ');
+    const helpText = [hint ?? this.spec.description ?? defaultHint(this.spec, required), rangeHint(this.spec)].filter(Boolean).join(' · ');
     const help = h('p', { class: 'field-help', id: `${id}-help`, text: helpText });
-    const label = h('label', { for: id }, humanize(name), required ? h('span', { class: 'req', 'aria-hidden': 'true', text: ' *' }) : null);
+    const labelEl = h('label', { for: id }, label ?? humanize(name), required ? h('span', { class: 'req', 'aria-hidden': 'true', text: ' *' }) : null);
     this.el = this.kind === 'boolean'
-      ? h('div', { class: 'field check', dataset: { field: name } }, h('div', { class: 'check-row' }, this.input, label), help, this.errorEl)
-      : h('div', { class: 'field', dataset: { field: name } }, label, this.input, help, this.errorEl);
+      ? h('div', { class: 'field check', dataset: { field: name } }, h('div', { class: 'check-row' }, this.input, labelEl), help, this.errorEl)
+      : h('div', { class: 'field', dataset: { field: name } }, labelEl, this.input, help, this.errorEl);
   }
 
   makeInput(id) {
@@ -62,7 +73,7 @@ class Field {
     switch (this.kind) {
       case 'enum': {
         const options = [];
-        if (!this.required && dflt === undefined) options.push(h('option', { value: '', text: '(none)' }));
+        if (!this.required && (dflt === undefined || dflt === null)) options.push(h('option', { value: '', text: this.noneLabel ?? 'automatic' }));
         for (const v of spec.enum) options.push(h('option', { value: String(v), text: String(v), selected: v === dflt }));
         return h('select', { id, name: this.name }, options);
       }
@@ -135,6 +146,18 @@ class Field {
     else this.input.removeAttribute('aria-invalid');
   }
 
+  // Choices offered while typing (a datalist): [{value, label}]. Free text stays possible.
+  setSuggestions(items) {
+    if (this.kind !== 'string') return;
+    const listId = `${this.id}-choices`;
+    this.datalist ??= h('datalist', { id: listId });
+    if (!this.datalist.isConnected) this.input.after(this.datalist);
+    this.input.setAttribute('list', listId);
+    const seen = new Set();
+    replace(this.datalist, items.filter((it) => !seen.has(it.value) && seen.add(it.value))
+      .map((it) => h('option', { value: it.value, label: it.label || null })));
+  }
+
   setValue(value) {
     if (this.kind === 'boolean') this.input.checked = Boolean(value);
     else this.input.value = value ?? '';
@@ -144,14 +167,15 @@ class Field {
 // A form for one object schema. `hints` adds help text per field; `extra`
 // fields (e.g. priority) are validated the same way and returned apart.
 export class SchemaForm {
-  constructor(id, schema, { hints = {}, prepend = [], extra = {}, submitLabel = 'Submit' } = {}) {
+  constructor(id, schema, { hints = {}, labels = {}, noneLabels = {}, prepend = [], extra = {}, submitLabel = 'Submit' } = {}) {
     this.id = id;
     const required = new Set(schema.required || []);
     const entries = Object.entries(schema.properties || {});
     // Required fields first, then the rest in the schema's order.
     entries.sort(([a], [b]) => Number(required.has(b)) - Number(required.has(a)));
-    this.fields = entries.map(([name, prop]) => new Field(id, name, prop, required.has(name), hints[name]));
-    this.extraFields = Object.entries(extra).map(([name, prop]) => new Field(id, name, prop, false, prop.description));
+    this.fields = entries.map(([name, prop]) => new Field(id, name, prop, required.has(name), hints[name],
+      { label: labels[name], noneLabel: noneLabels[name] }));
+    this.extraFields = Object.entries(extra).map(([name, prop]) => new Field(id, name, prop, false, prop.description, { label: labels[name] }));
     this.formError = h('div', { class: 'form-error', role: 'alert' });
     this.submit = h('button', { type: 'submit', class: 'primary', text: submitLabel });
     const visible = [];

@@ -1,12 +1,33 @@
 // Chat playground: pick a model, stream answers through /v1/responses,
 // reasoning apart (collapsible), tokens/s and usage per answer, continue
-// with previous_response_id, stop to cancel. The conversation survives
-// moving to another page and back (not a reload).
-import { getJson } from './api.js';
+// with previous_response_id, stop to cancel. Answers render as Markdown
+// (built as DOM nodes, never as HTML). Conversations are kept in this
+// browser (localStorage) to open, continue, rename and delete later; the
+// model can change between turns of one conversation.
+import { getJson, send } from './api.js';
 import { errorBox, formatNumber, h, replace } from './dom.js';
 import { ChatSession } from './chat-stream.js';
+import {
+  getConversation, listConversations, newConversationId, removeConversation, renameConversation, saveConversation, titleFrom,
+} from './chat-store.js';
+import { renderMarkdown } from './markdown.js';
+import { poll } from './poll.js';
 
-const conversation = { session: new ChatSession(), turns: [], model: '', instructions: '', maxTokens: 512, temperature: '' };
+const conversation = {
+  session: new ChatSession(), turns: [], model: '', instructions: '', maxTokens: 512, temperature: '', id: null, title: '',
+};
+
+// What the model picker says about each model's state.
+export function modelStateText(m) {
+  switch (m.state) {
+    case 'ready': return 'loaded';
+    case 'starting': return 'loading…';
+    case 'unloaded': return 'loads on first use';
+    case 'draining': case 'stopping': return 'unloading';
+    case 'crashed': return 'restarting after a crash';
+    default: return m.state;
+  }
+}
 
 function usageLine(turn) {
   const u = turn.usage;
@@ -27,20 +48,22 @@ function turnView(turn) {
   const reasoningBody = h('div', { class: 'reasoning-text', text: turn.reasoning });
   const reasoning = h('details', { class: 'reasoning', hidden: !turn.reasoning },
     h('summary', { text: turn.status === 'streaming' && !turn.text ? 'Thinking…' : 'Reasoning' }), reasoningBody);
-  const text = h('div', { class: 'answer-text', text: turn.text });
+  const text = h('div', { class: 'answer-text markdown' });
+  text.append(renderMarkdown(turn.text));
+  let shown = turn.text;
   const meta = h('p', { class: 'usage small muted', text: usageLine(turn) });
   const error = h('div');
   if (turn.error) error.append(errorBox(turn.error));
   const answer = h('div', { class: `msg assistant ${turn.status}`, 'aria-busy': String(turn.status === 'streaming') },
     h('div', { class: 'who', text: turn.model }), reasoning, text, error, meta);
-  const el = h('div', { class: 'turn' }, h('div', { class: 'msg user' }, h('div', { class: 'who', text: 'You' }), h('div', { text: turn.user })), answer);
+  const el = h('div', { class: 'turn' }, h('div', { class: 'msg user' }, h('div', { class: 'who', text: 'You' }), h('div', { class: 'user-text', text: turn.user })), answer);
   return {
     el,
     update() {
       reasoningBody.textContent = turn.reasoning;
       reasoning.hidden = !turn.reasoning;
       reasoning.querySelector('summary').textContent = turn.status === 'streaming' && !turn.text ? 'Thinking…' : 'Reasoning';
-      text.textContent = turn.text;
+      if (turn.text !== shown) { replace(text, renderMarkdown(turn.text)); shown = turn.text; }
       meta.textContent = usageLine(turn);
       answer.className = `msg assistant ${turn.status}`;
       answer.setAttribute('aria-busy', String(turn.status === 'streaming'));
@@ -49,13 +72,13 @@ function turnView(turn) {
   };
 }
 
-export function mount(root) {
+export function mount(root, _params, query) {
   const c = conversation;
   const modelSel = h('select', { id: 'chat-model', name: 'model' }, h('option', { value: '', text: 'Loading models…' }));
   const instructions = h('textarea', { id: 'chat-instructions', rows: 3, placeholder: 'Optional system instructions', value: c.instructions });
   const maxTokens = h('input', { id: 'chat-max-tokens', type: 'number', min: 1, step: 1, value: c.maxTokens });
   const temperature = h('input', { id: 'chat-temperature', type: 'number', min: 0, max: 2, step: 0.1, placeholder: 'default', value: c.temperature });
-  const modeNote = h('p', { class: 'small muted', role: 'status' });
+  const modeNote = h('p', { class: 'small muted mode-note', role: 'status' });
   const transcript = h('div', { class: 'transcript', role: 'log', 'aria-live': 'polite', 'aria-label': 'Conversation' });
   const input = h('textarea', { id: 'chat-input', rows: 3, placeholder: 'Ask something… (Enter sends, Shift+Enter for a new line)', 'aria-label': 'Message' });
   const sendBtn = h('button', { type: 'submit', class: 'primary', text: 'Send' });
@@ -64,6 +87,7 @@ export function mount(root) {
   const formError = h('div', { class: 'form-error', role: 'alert' });
   const composer = h('form', { class: 'composer', novalidate: true }, input, formError,
     h('div', { class: 'actions' }, newBtn, h('span', { class: 'spacer' }), stopBtn, sendBtn));
+  const convList = h('ul', { class: 'plain conversations', 'aria-label': 'Saved conversations' });
 
   const settings = h('details', { class: 'card chat-settings', open: true },
     h('summary', {}, h('h2', { text: 'Settings' })),
@@ -73,11 +97,14 @@ export function mount(root) {
       h('div', { class: 'field' }, h('label', { for: 'chat-max-tokens', text: 'Max tokens' }), maxTokens),
       h('div', { class: 'field' }, h('label', { for: 'chat-temperature', text: 'Temperature' }), temperature)),
     modeNote);
+  const history = h('details', { class: 'card chat-history', open: true },
+    h('summary', {}, h('h2', { text: 'Conversations' })), convList);
   root.append(
     h('div', { class: 'page-head' }, h('h1', { text: 'Chat' }),
       h('p', { class: 'muted', text: 'Talk to a model through the Responses API. Each answer continues the previous one.' })),
-    h('div', { class: 'chat-layout' }, settings, h('section', { class: 'card chat-main', 'aria-label': 'Chat' }, transcript, composer)));
-  if (window.matchMedia('(max-width: 760px)').matches) settings.open = false;
+    h('div', { class: 'chat-layout' }, h('div', { class: 'chat-side' }, settings, history),
+      h('section', { class: 'card chat-main', 'aria-label': 'Chat' }, transcript, composer)));
+  if (window.matchMedia('(max-width: 760px)').matches) { settings.open = false; history.open = false; }
 
   let controller = null;
   const views = [];
@@ -92,14 +119,111 @@ export function mount(root) {
     transcript.append(view.el);
     return view;
   }
-  for (const t of c.turns) addView(t);
-  showEmpty();
+  function showTurns() {
+    views.length = 0;
+    replace(transcript);
+    for (const t of c.turns) addView(t);
+    showEmpty();
+    transcript.scrollTop = transcript.scrollHeight;
+  }
+  showTurns();
+
   function describeMode() {
-    modeNote.textContent = c.session.mode === 'chat'
-      ? 'This server has no /v1/responses: using /v1/chat/completions, with the history kept in this page.'
-      : c.session.previousId ? `Continuing ${c.session.previousId}.` : '';
+    if (c.session.mode === 'chat') {
+      modeNote.textContent = 'This server has no /v1/responses: using /v1/chat/completions, with the history kept in this page.';
+    } else if (c.session.previousId) {
+      replace(modeNote, 'Continuing from ', h('code', { class: 'response-id', title: c.session.previousId, text: c.session.previousId }));
+    } else {
+      replace(modeNote);
+    }
   }
   describeMode();
+
+  function renderConversations() {
+    const list = listConversations();
+    if (!list.length) {
+      replace(convList, h('li', { class: 'small muted', text: 'No saved conversations yet. They are kept in this browser.' }));
+      return;
+    }
+    replace(convList, list.map((conv) => {
+      const open = h('button', {
+        type: 'button', class: 'conv-open', 'aria-current': conv.id === c.id ? 'true' : null, title: conv.title,
+        onclick: () => openConversation(conv.id),
+      }, h('span', { class: 'conv-title', text: conv.title }),
+      h('span', { class: 'small muted', text: `${conv.turns.length} turn${conv.turns.length === 1 ? '' : 's'} · ${conv.model}` }));
+      const rename = h('button', { type: 'button', class: 'secondary small', text: 'Rename', 'aria-label': `Rename ${conv.title}` });
+      const remove = h('button', { type: 'button', class: 'danger small', text: 'Delete', 'aria-label': `Delete ${conv.title}` });
+      const li = h('li', { dataset: { conversation: conv.id } }, open, h('div', { class: 'conv-actions' }, rename, remove));
+      rename.addEventListener('click', () => {
+        const field = h('input', { type: 'text', value: conv.title, 'aria-label': 'New title', class: 'conv-rename' });
+        const done = (save) => {
+          if (save && field.value.trim()) {
+            renameConversation(conv.id, field.value);
+            if (conv.id === c.id) c.title = field.value.trim();
+          }
+          renderConversations();
+        };
+        field.addEventListener('keydown', (ev) => {
+          if (ev.key === 'Enter') { ev.preventDefault(); done(true); }
+          if (ev.key === 'Escape') done(false);
+        });
+        field.addEventListener('blur', () => done(true));
+        replace(li, field);
+        field.focus();
+        field.select();
+      });
+      remove.addEventListener('click', async () => {
+        if (!confirm(`Delete the conversation “${conv.title}”?`)) return;
+        removeConversation(conv.id);
+        if (conv.id === c.id) startNew();
+        renderConversations();
+        // The stored responses go too, where the server keeps them.
+        for (const id of conv.turns.map((t) => t.responseId).filter(Boolean)) {
+          send('DELETE', `v1/responses/${encodeURIComponent(id)}`).catch(() => {});
+        }
+      });
+      return li;
+    }));
+  }
+  renderConversations();
+
+  function startNew() {
+    controller?.abort();
+    c.session.reset();
+    c.turns = [];
+    c.id = null;
+    c.title = '';
+    showTurns();
+    describeMode();
+  }
+
+  function openConversation(id) {
+    const conv = getConversation(id);
+    if (!conv || controller) return;
+    c.session.reset();
+    c.session.previousId = conv.lastResponseId || null;
+    c.session.history = conv.history || [];
+    c.turns = conv.turns.map((t) => ({ ...t }));
+    c.id = conv.id;
+    c.title = conv.title;
+    if (conv.model && [...modelSel.options].some((o) => o.value === conv.model)) { modelSel.value = conv.model; c.model = conv.model; }
+    showTurns();
+    describeMode();
+    renderConversations();
+    input.focus();
+  }
+
+  function persist() {
+    if (!c.turns.length) return;
+    c.id ??= newConversationId();
+    c.title ||= titleFrom(c.turns[0].user);
+    const last = c.turns[c.turns.length - 1];
+    saveConversation({
+      id: c.id, title: c.title, model: last.model, lastResponseId: c.session.previousId,
+      history: c.session.mode === 'chat' ? c.session.history : undefined, turns: c.turns,
+    });
+    renderConversations();
+  }
 
   function setStreaming(on) {
     stopBtn.hidden = !on;
@@ -107,22 +231,39 @@ export function mount(root) {
     modelSel.disabled = on;
   }
 
-  getJson('api/models').then((body) => {
+  // The model list, refreshed so a state shown ("loads on first use") stays true.
+  let pending = query?.get('model') || null;
+  let firstList = true;
+  const models = poll(async () => {
+    let body;
+    try {
+      body = await getJson('api/models');
+    } catch (err) {
+      if (firstList) {
+        replace(modelSel, h('option', { value: '', text: 'Could not list models' }));
+        replace(formError, errorBox(err, 'Could not list models'));
+      }
+      return;
+    }
     const usable = body.data.filter((m) => m.usable);
     if (!usable.length) {
       replace(modelSel, h('option', { value: '', text: 'No usable model' }));
       return;
     }
-    replace(modelSel, usable.map((m) => h('option', { value: m.id, text: `${m.id} — ${m.state === 'ready' ? 'loaded' : m.state === 'unloaded' ? 'loads on first use' : m.state}` })));
+    const keep = firstList ? null : modelSel.value;
+    replace(modelSel, usable.map((m) => h('option', { value: m.id, dataset: { state: m.state }, text: `${m.id} — ${modelStateText(m)}` })));
+    const has = (id) => id && usable.some((m) => m.id === id);
     const ready = usable.find((m) => m.state === 'ready');
-    modelSel.value = usable.some((m) => m.id === c.model) ? c.model : (ready || usable[0]).id;
+    // A model asked for in the URL (#/chat?model=…) may just have been written
+    // (a quantize result): it is picked once the library lists it.
+    if (pending && has(pending)) { modelSel.value = pending; pending = null; } else {
+      modelSel.value = has(keep) ? keep : has(c.model) ? c.model : (ready || usable[0]).id;
+    }
     c.model = modelSel.value;
-  }).catch((err) => {
-    replace(modelSel, h('option', { value: '', text: 'Could not list models' }));
-    replace(formError, errorBox(err, 'Could not list models'));
-  });
+    firstList = false;
+  }, () => (modelSel.querySelector('option[data-state=starting]') ? 1000 : 5000));
 
-  modelSel.addEventListener('change', () => { c.model = modelSel.value; });
+  modelSel.addEventListener('change', () => { c.model = modelSel.value; pending = null; });
   instructions.addEventListener('input', () => { c.instructions = instructions.value; });
   maxTokens.addEventListener('input', () => { c.maxTokens = maxTokens.value; });
   temperature.addEventListener('input', () => { c.temperature = temperature.value; });
@@ -134,12 +275,8 @@ export function mount(root) {
     }
   });
   newBtn.addEventListener('click', () => {
-    controller?.abort();
-    c.session.reset();
-    c.turns = [];
-    views.length = 0;
-    showEmpty();
-    describeMode();
+    startNew();
+    renderConversations();
     input.focus();
   });
   stopBtn.addEventListener('click', () => controller?.abort());
@@ -160,7 +297,7 @@ export function mount(root) {
     if (!text || controller) return;
     const s = readSettings();
     if (s.error) { formError.textContent = s.error; return; }
-    const turn = { user: text, model: s.model, reasoning: '', text: '', status: 'streaming', usage: null, error: null, tps: null, seconds: null };
+    const turn = { user: text, model: s.model, reasoning: '', text: '', status: 'streaming', usage: null, error: null, tps: null, seconds: null, responseId: null };
     c.turns.push(turn);
     const view = addView(turn);
     input.value = '';
@@ -182,6 +319,7 @@ export function mount(root) {
     };
     try {
       const done = await c.session.turn({ ...s, text, signal: controller.signal }, {
+        onStart: (id) => { turn.responseId = id; },
         onText: (d) => { turn.text += d; delta(); },
         onReasoning: (d) => { turn.reasoning += d; delta(); },
         onFallback: describeMode,
@@ -189,6 +327,7 @@ export function mount(root) {
       const end = performance.now();
       turn.status = done.status === 'incomplete' ? 'incomplete' : 'completed';
       turn.usage = done.usage;
+      turn.responseId = done.id || turn.responseId;
       turn.seconds = (end - started) / 1000;
       const genSeconds = firstToken ? (end - firstToken) / 1000 : 0;
       if (done.usage?.output_tokens > 1 && genSeconds > 0) turn.tps = (done.usage.output_tokens - 1) / genSeconds;
@@ -203,10 +342,12 @@ export function mount(root) {
       view.update();
       describeMode();
       follow();
+      persist();
+      models.now(); // the model just used is loaded now
       input.focus();
     }
   });
 
   input.focus();
-  return () => controller?.abort();
+  return () => { controller?.abort(); models.stop(); };
 }

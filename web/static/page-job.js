@@ -2,8 +2,8 @@
 // chart, the log tail, the result, and cancel / cancel-with-save / resume.
 import { del, getJson, getText, postJson } from './api.js';
 import { lineChart, lossSeries } from './chart.js';
-import { badge, errorBox, formatDuration, formatNumber, formatTime, h, progressBar, replace } from './dom.js';
-import { jobDuration } from './page-jobs.js';
+import { badge, errorBox, formatBytes, formatDuration, formatNumber, formatTime, h, progressBar, replace } from './dom.js';
+import { FIELD_LABELS } from './schema.js';
 import { EventStream } from './sse.js';
 
 const FINISHED = new Set(['succeeded', 'failed', 'cancelled', 'interrupted']);
@@ -20,10 +20,89 @@ const STREAM_LABELS = { connecting: 'connecting…', live: 'live', reconnecting:
 function metricText(key, value) {
   if (typeof value !== 'number') return String(value);
   if (key.endsWith('_s')) return formatDuration(value);
-  if (key.startsWith('bytes')) return `${formatNumber(value / 1048576, 1)} MiB`;
+  if (key.startsWith('bytes')) return formatBytes(value);
+  if (key === 'rate') return `${formatBytes(value)}/s`;
   if (key.includes('loss')) return value.toFixed(4);
   if (key === 'learning_rate' || key === 'lr') return value.toExponential(2);
   return formatNumber(value, Number.isInteger(value) ? 0 : 2);
+}
+
+const base = (path) => String(path ?? '').split('/').filter(Boolean).pop() || '';
+
+// What the job works on, for its title: "quantize · tiny.gguf".
+export function jobSubject(job) {
+  const p = job.params || {};
+  const value = { dataset: p.input, download: p.repo_id, finetune: p.model, export: p.model, quantize: p.model }[job.kind]
+    ?? p.model ?? p.input ?? p.repo_id ?? p.tag;
+  return job.kind === 'download' ? String(value || '') : base(value);
+}
+
+export function jobTitle(job) {
+  const subject = jobSubject(job);
+  return subject ? `${job.kind} · ${subject}` : `${job.kind} job`;
+}
+
+const chatLink = (model) => h('a', { class: 'next-step', href: `#/chat?model=${encodeURIComponent(model)}`, text: 'Chat with this model' });
+const jobLink = (kind, params, text) => {
+  const q = new URLSearchParams({ new: kind, ...params });
+  return h('a', { class: 'next-step', href: `#/jobs?${q}`, text });
+};
+
+// A person's reading of the result: what came out, and where to go next.
+export function resultSummary(job) {
+  const r = job.result || {};
+  const lines = [];
+  const next = [];
+  if (job.kind === 'quantize') {
+    lines.push(['Model', h('code', { text: r.model ?? base(r.output_path) })], ['Type', r.type], ['Size', formatBytes(r.bytes)]);
+    if (r.input_bytes) lines.push(['Input size', `${formatBytes(r.input_bytes)} (now ${Math.round((100 * r.bytes) / r.input_bytes)}%)`]);
+    if (r.seconds !== undefined) lines.push(['Took', formatDuration(r.seconds)]);
+    if (r.model) next.push(chatLink(r.model));
+  } else if (job.kind === 'export') {
+    const out = r.quantized || r.converted || {};
+    lines.push(['Model', h('code', { text: r.model })]);
+    if (out.bytes !== undefined) lines.push(['Size', formatBytes(out.bytes)]);
+    if (r.model) next.push(chatLink(r.model), jobLink('quantize', { model: r.model }, 'Quantize it'));
+  } else if (job.kind === 'dataset') {
+    const rows = r.rows || {};
+    lines.push(['Format', r.format], ['Rows kept', `${formatNumber(rows.kept)} of ${formatNumber(rows.read)} read`],
+      ['Split', `${formatNumber(rows.train)} train · ${formatNumber(rows.eval)} eval`]);
+    if (rows.bad || rows.duplicates) lines.push(['Dropped', `${formatNumber(rows.bad)} bad · ${formatNumber(rows.duplicates)} duplicate`]);
+    if (r.train_path) lines.push(['Train file', h('code', { text: base(r.train_path) })]);
+    if (r.eval_path) lines.push(['Eval file', h('code', { text: base(r.eval_path) })]);
+    if (r.train_path) {
+      const params = { train: r.train_path };
+      if (r.eval_path && rows.eval) params.eval = r.eval_path;
+      next.push(jobLink('finetune', params, 'Fine-tune on this dataset'));
+    }
+  } else if (job.kind === 'download') {
+    const files = r.files || [];
+    lines.push(['Repository', r.repo_id], ['Files', `${files.length} (${formatBytes(files.reduce((n, f) => n + (f.size || 0), 0))})`],
+      ['Downloaded', formatBytes(r.bytes_downloaded)]);
+    if (r.bytes_reused) lines.push(['Already there', formatBytes(r.bytes_reused)]);
+    if (r.model_id) { lines.push(['Model', h('code', { text: r.model_id })]); next.push(chatLink(r.model_id)); }
+  } else if (job.kind === 'finetune') {
+    if (r.output_dir) lines.push(['Output', h('code', { text: r.output_dir })]);
+    if (r.adapter_path) lines.push(['Adapter', h('code', { text: base(r.adapter_path) })]);
+    if (r.merged_path) { lines.push(['Merged model', h('code', { text: base(r.merged_path) })]); }
+    if (r.export?.model) next.push(chatLink(r.export.model));
+    else if (r.merged_path) next.push(jobLink('export', { model: r.merged_path }, 'Export to GGUF'));
+  } else {
+    for (const [k, v] of Object.entries(r)) {
+      if (v === null || typeof v === 'object') continue;
+      lines.push([FIELD_LABELS[k] || k, /bytes/.test(k) && typeof v === 'number' ? formatBytes(v) : String(v)]);
+    }
+  }
+  const shown = lines.filter(([, v]) => v !== undefined && v !== null && v !== '');
+  return h('div', { class: 'result-summary' },
+    shown.length ? h('dl', { class: 'facts' }, shown.map(([k, v]) => [h('dt', { text: k }), h('dd', {}, v)])) : null,
+    next.length ? h('p', { class: 'next-steps' }, h('strong', { text: 'Next: ' }), next.flatMap((a, i) => (i ? [' · ', a] : [a]))) : null);
+}
+
+// Between start and finish: a clock the page ticks.
+function elapsed(job) {
+  if (!job.started_at) return null;
+  return (job.finished_at ?? Date.now() / 1000) - job.started_at;
 }
 
 function throttle(fn, ms) {
@@ -36,6 +115,7 @@ function throttle(fn, ms) {
 export function mount(root, [jobId]) {
   const url = (suffix = '') => `api/jobs/${encodeURIComponent(jobId)}${suffix}`;
   const title = h('h1', { text: jobId });
+  const idLine = h('code', { class: 'job-id small muted', text: jobId });
   const statusHost = h('span');
   const streamState = h('span', { class: 'stream-state', role: 'status', text: STREAM_LABELS.connecting });
   const actions = h('div', { class: 'actions' });
@@ -50,7 +130,7 @@ export function mount(root, [jobId]) {
 
   root.append(
     h('p', { class: 'crumbs' }, h('a', { href: '#/jobs', text: '← Jobs' })),
-    h('div', { class: 'page-head job-head' }, title, statusHost, streamState, h('span', { class: 'spacer' }), actions),
+    h('div', { class: 'page-head job-head' }, h('div', { class: 'job-title' }, title, idLine), statusHost, streamState, h('span', { class: 'spacer' }), actions),
     actionError,
     h('div', { class: 'job-grid' },
       h('div', { class: 'col' }, summary, chartCard, metricsCard, logCard),
@@ -99,30 +179,48 @@ export function mount(root, [jobId]) {
     render();
   }
 
+  function stageText() {
+    if (job.status === 'queued') return [job.stage, job.message].filter(Boolean).join(' · ') || 'Waiting for its turn…';
+    if (job.status === 'running') return [job.stage, job.message].filter(Boolean).join(' · ') || 'Running…';
+    // Finished: the last stage ("waiting for cpu") is history, only the outcome counts.
+    const outcome = { succeeded: 'Finished', failed: 'Failed', cancelled: 'Cancelled', interrupted: 'Interrupted' }[job.status];
+    return [outcome, job.status === 'succeeded' ? job.message : null].filter(Boolean).join(' · ');
+  }
+
+  function durationFacts() {
+    const secs = elapsed(job);
+    if (job.status === 'queued') return [h('dt', { text: 'Queued for' }), h('dd', { class: 'duration', text: formatDuration(Date.now() / 1000 - job.created_at) })];
+    if (secs === null) return null;
+    return [h('dt', { text: FINISHED.has(job.status) ? 'Ran for' : 'Running for' }), h('dd', { class: 'duration', text: formatDuration(secs) })];
+  }
+
   function render() {
     if (!job) return;
+    title.textContent = jobTitle(job);
+    document.title = `${jobTitle(job)} — gpuvisor`;
     replace(statusHost, badge(job.status), h('span', { class: 'tag', text: job.kind }));
     renderActions();
     const pct = `${Math.round((job.progress ?? 0) * 100)}%`;
     replace(summary,
       h('div', { class: 'row' }, h('h2', { text: 'Progress' }), h('span', { class: 'spacer' }), h('strong', { class: 'pct', text: pct })),
       progressBar(job.progress, 'job progress'),
-      h('p', { class: 'stage', text: [job.stage, job.message].filter(Boolean).join(' · ') || (job.status === 'queued' ? 'Waiting for its turn…' : ' ') }),
+      h('p', { class: 'stage', text: stageText() || ' ' }),
       job.error ? h('div', { class: 'notice error', role: 'alert' }, h('strong', { text: 'Error: ' }), job.error) : null,
       h('dl', { class: 'facts' },
         h('dt', { text: 'Created' }), h('dd', { text: formatTime(job.created_at) }),
         h('dt', { text: 'Started' }), h('dd', { text: formatTime(job.started_at) }),
-        h('dt', { text: 'Finished' }), h('dd', { text: formatTime(job.finished_at) }),
-        h('dt', { text: 'Ran for' }), h('dd', { text: jobDuration(job) }),
+        FINISHED.has(job.status) ? [h('dt', { text: 'Finished' }), h('dd', { text: formatTime(job.finished_at) })] : null,
+        durationFacts(),
         h('dt', { text: 'Attempt' }), h('dd', { text: String(job.attempt) }),
         h('dt', { text: 'Priority' }), h('dd', { text: String(job.priority) }),
         job.exit_code !== null ? [h('dt', { text: 'Exit code' }), h('dd', { text: String(job.exit_code) })] : null));
     if (job.result) {
       resultCard.hidden = false;
-      replace(resultCard, h('h2', { text: 'Result' }), h('pre', { class: 'json', text: JSON.stringify(job.result, null, 2) }));
+      replace(resultCard, h('h2', { text: 'Result' }), resultSummary(job),
+        h('details', { class: 'raw-result' }, h('summary', { text: 'Raw result (JSON)' }), h('pre', { class: 'json', text: JSON.stringify(job.result, null, 2) })));
     }
     replace(paramsCard, h('h2', { text: 'Parameters' }), h('dl', { class: 'facts params' },
-      Object.entries(job.params).map(([k, v]) => [h('dt', { text: k }), h('dd', {}, h('code', { text: typeof v === 'string' ? v : JSON.stringify(v) }))])));
+      Object.entries(job.params).map(([k, v]) => [h('dt', { text: FIELD_LABELS[k] || k, title: k }), h('dd', {}, v === null ? h('span', { class: 'muted', text: '—' }) : h('code', { text: typeof v === 'string' ? v : JSON.stringify(v) }))])));
   }
 
   // Cheap updates between full renders: the bar, the percentage and the stage line.
@@ -165,7 +263,7 @@ export function mount(root, [jobId]) {
     try {
       const text = await getText(url(`/log?tail=${LOG_TAIL_BYTES}`));
       const atBottom = logPre.scrollTop + logPre.clientHeight >= logPre.scrollHeight - 8;
-      logPre.textContent = text || '(no output yet)';
+      logPre.textContent = text || (job && FINISHED.has(job.status) ? 'The job wrote nothing to its log.' : '(no output yet)');
       if (atBottom) logPre.scrollTop = logPre.scrollHeight; // follow the tail unless scrolled up
     } catch {
       // the log is optional; status errors are shown elsewhere
@@ -222,5 +320,12 @@ export function mount(root, [jobId]) {
   });
 
   const logTimer = setInterval(() => { if (job && !FINISHED.has(job.status)) refreshLog(); }, 3000);
-  return () => { stream?.close(); clearInterval(logTimer); };
+  // The duration ticks while the job waits or runs.
+  const clock = setInterval(() => {
+    if (!job || FINISHED.has(job.status)) return;
+    const dd = summary.querySelector('dd.duration');
+    const secs = job.status === 'queued' ? Date.now() / 1000 - job.created_at : elapsed(job);
+    if (dd && secs !== null) dd.textContent = formatDuration(secs);
+  }, 1000);
+  return () => { stream?.close(); clearInterval(logTimer); clearInterval(clock); };
 }

@@ -1,11 +1,11 @@
 // Jobs: the list with filters, and a submit form per kind built from the
 // params schema. The dataset form uploads a file first (with a preview).
-import { getJson, postJson, uploadDataset } from './api.js';
-import { badge, errorBox, formatAgo, formatDuration, h, progressBar, replace } from './dom.js';
+import { getJson, hasRoute, postJson, uploadDataset } from './api.js';
+import { badge, errorBox, formatAgo, formatBytes, formatDuration, h, progressBar, replace, stackTable } from './dom.js';
 import { renderPreview, previewRows } from './dataset-preview.js';
 import { SchemaForm } from './form.js';
 import { poll } from './poll.js';
-import { FIELD_HINTS, PRIORITY_FIELD, jobKinds } from './schema.js';
+import { PRIORITY_FIELD, fieldText, isTestKind, jobKinds } from './schema.js';
 
 const STATUSES = ['queued', 'running', 'succeeded', 'failed', 'cancelled', 'interrupted'];
 const PAGE = 25;
@@ -35,6 +35,73 @@ function jobRow(j) {
     h('td', { text: jobDuration(j) }));
 }
 
+// Dataset files this browser uploaded (the server keeps no list the UI can read
+// unless it offers GET /api/datasets).
+const UPLOADS_KEY = 'gpuvisor.uploads';
+function rememberUpload(name) {
+  try {
+    const names = JSON.parse(localStorage.getItem(UPLOADS_KEY) || '[]').filter((n) => n !== name);
+    localStorage.setItem(UPLOADS_KEY, JSON.stringify([name, ...names].slice(0, 50)));
+  } catch {
+    // storage full or disabled: only the suggestions suffer
+  }
+}
+function rememberedUploads() {
+  try { return JSON.parse(localStorage.getItem(UPLOADS_KEY) || '[]'); } catch { return []; }
+}
+
+const base = (path) => String(path).split('/').pop();
+
+// Values to offer in the model and dataset fields, from the library, the
+// datasets directory (when listed) and earlier jobs.
+async function loadChoices() {
+  const [models, datasets, dsJobs, ftJobs] = await Promise.all([
+    getJson('api/models').then((b) => b.data).catch(() => []),
+    hasRoute('GET', '/api/datasets').then((has) => (has ? getJson('api/datasets').then((b) => b.data) : [])).catch(() => []),
+    getJson('api/jobs?kind=dataset&limit=50').then((b) => b.data).catch(() => []),
+    getJson('api/jobs?kind=finetune&limit=50').then((b) => b.data).catch(() => []),
+  ]);
+  const gguf = models.filter((m) => m.usable).map((m) => ({ value: m.id, label: `library model${m.size_bytes ? ` · ${formatBytes(m.size_bytes)}` : ''}` }));
+  const files = [
+    ...datasets.map((d) => ({ value: d.name, label: d.bytes !== undefined ? `datasets dir · ${formatBytes(d.bytes)}` : 'datasets dir' })),
+    ...rememberedUploads().map((n) => ({ value: n, label: 'uploaded here' })),
+  ];
+  const prepared = [];
+  const evals = [];
+  for (const j of dsJobs) {
+    if (j.params?.input) files.push({ value: base(j.params.input), label: `input of ${j.id}` });
+    if (j.status === 'succeeded' && j.result?.train_path) {
+      prepared.push({ value: j.result.train_path, label: `train split of ${base(j.params?.input || j.id)}` });
+      if (j.result.eval_path) evals.push({ value: j.result.eval_path, label: `eval split of ${base(j.params?.input || j.id)}` });
+    }
+  }
+  const hfDirs = [];
+  const hfUsed = [];
+  for (const j of ftJobs) {
+    if (j.status === 'succeeded' && j.result?.merged_path) hfDirs.push({ value: j.result.merged_path, label: `merged output of ${j.id}` });
+    if (j.params?.model) hfUsed.push({ value: j.params.model, label: `used by ${j.id}` });
+  }
+  return {
+    'dataset:input': files,
+    'dataset:model': gguf,
+    'quantize:model': gguf,
+    'finetune:model': hfUsed,
+    'finetune:train': [...prepared, ...files.filter((f) => /\.jsonl$/.test(f.value))],
+    'finetune:eval': [...evals, ...files.filter((f) => /\.jsonl$/.test(f.value))],
+    'export:model': [...hfDirs, ...hfUsed],
+  };
+}
+
+const TRAIN_COMMAND = 'make install-train';
+
+function trainNotice(reason) {
+  return h('div', { class: 'notice warning train-missing', role: 'status' },
+    h('strong', { text: 'Fine-tuning is not installed on this server. ' }),
+    reason ? h('span', { text: `${reason.replace(/\.?$/, '.')} ` }) : null,
+    'Install the train extra in the gpuvisor checkout with ', h('code', { text: TRAIN_COMMAND }), ', then restart gpuvisor.');
+}
+let trainMissing = null; // the reason, once the server said so (schema or a refused submit)
+
 // The dataset kind's extra field: a file to upload, with a preview.
 function datasetUpload(form) {
   const preview = h('div');
@@ -56,22 +123,25 @@ function datasetUpload(form) {
   return {
     el,
     file: () => input.files[0] || null,
+    clear: () => { input.value = ''; replace(preview); },
     setError: (msg) => { errorEl.textContent = msg; el.classList.toggle('invalid', Boolean(msg)); if (msg) input.focus(); },
   };
 }
 
-function submitPanel(kinds, onCreated) {
+function submitPanel(kinds, onCreated, query) {
   const host = h('div');
-  // Lab kinds first; test kinds such as sleep last.
+  // Lab kinds in their usual order; test kinds (sleep) only when asked for.
   const rank = (k) => { const i = KIND_ORDER.indexOf(k.kind); return i < 0 ? KIND_ORDER.length : i; };
-  const all = [...kinds].sort((a, b) => rank(a) - rank(b));
+  const showTest = query.get('testkinds') === '1' || new URLSearchParams(location.search).get('testkinds') === '1';
+  const all = kinds.filter((k) => showTest || !isTestKind(k)).sort((a, b) => rank(a) - rank(b));
   let current = null;
   const picker = h('div', { class: 'segmented', role: 'radiogroup', 'aria-label': 'Job kind' });
+  const choices = loadChoices();
 
-  function show(kind) {
+  function show(kind, prefill = {}) {
     current = kind;
     for (const b of picker.querySelectorAll('button')) b.setAttribute('aria-checked', String(b.dataset.kind === kind.kind));
-    replace(host, buildForm(kind));
+    replace(host, buildForm(kind, prefill));
   }
 
   for (const k of all) {
@@ -86,40 +156,100 @@ function submitPanel(kinds, onCreated) {
     picker.querySelector(`[data-kind="${next.kind}"]`).focus();
   });
 
-  function buildForm(kind) {
-    const form = new SchemaForm(`submit-${kind.kind}`, kind.schema, { hints: FIELD_HINTS, extra: PRIORITY_FIELD, submitLabel: `Submit ${kind.kind} job` });
+  function buildForm(kind, prefill) {
+    const text = fieldText(kind.kind);
+    const form = new SchemaForm(`submit-${kind.kind}`, kind.schema, { ...text, extra: PRIORITY_FIELD, submitLabel: `Submit ${kind.kind} job` });
+    for (const [name, value] of Object.entries(prefill)) form.field(name)?.setValue(value);
+    choices.then((c) => {
+      for (const f of form.fields) if (c[`${kind.kind}:${f.name}`]) f.setSuggestions(c[`${kind.kind}:${f.name}`]);
+    });
     const upload = kind.kind === 'dataset' ? datasetUpload(form) : null;
     if (upload) form.el.prepend(upload.el);
+    const noticeHost = h('div', { class: 'kind-notice' });
+    const needsTrain = kind.kind === 'finetune' || (kind.kind === 'export' && kind.available === false);
+    const showTrain = () => {
+      const reason = kind.available === false ? (kind.unavailable_reason || kind.reason || '') : trainMissing;
+      replace(noticeHost, needsTrain && (kind.available === false || trainMissing !== null) ? trainNotice(reason) : null);
+    };
+    showTrain();
+    const renameHost = h('div');
+    form.el.querySelector('.actions').before(renameHost);
+    const label = `Submit ${kind.kind} job`;
+
+    async function submitJob(params, priority) {
+      form.busy(true, 'Submitting…');
+      try {
+        onCreated(await postJson('api/jobs', { kind: kind.kind, params, priority }));
+      } catch (err) {
+        if (err.code === 'train_extra_missing') {
+          trainMissing = err.message.split(/:\s*install/)[0];
+          showTrain();
+          noticeHost.scrollIntoView({ block: 'nearest' });
+        } else {
+          form.showApiError(err);
+        }
+      } finally {
+        form.busy(false, label);
+      }
+    }
+
     form.el.addEventListener('submit', async (ev) => {
       ev.preventDefault();
       upload?.setError('');
+      replace(renameHost);
       const read = form.read();
       if (!read) return;
-      form.busy(true, 'Submitting…');
-      try {
-        if (upload?.file()) {
-          form.busy(true, 'Uploading…');
-          try {
-            const stored = await uploadDataset(upload.file());
-            read.params.input = stored.name;
-            form.field('input').setValue(stored.name);
-          } catch (err) {
-            upload.setError(err.message);
-            return;
-          }
+      const priority = read.extra.priority ?? 0;
+      if (upload?.file()) {
+        const file = upload.file();
+        form.busy(true, 'Uploading…');
+        let stored;
+        try {
+          stored = await uploadDataset(file);
+        } catch (err) {
+          upload.setError(err.message);
+          form.busy(false, label);
+          return;
         }
-        const job = await postJson('api/jobs', { kind: kind.kind, params: read.params, priority: read.extra.priority ?? 0 });
-        onCreated(job);
-      } catch (err) {
-        form.showApiError(err);
-      } finally {
-        form.busy(false, `Submit ${kind.kind} job`);
+        rememberUpload(stored.name);
+        upload.clear();
+        read.params.input = stored.name;
+        form.field('input').setValue(stored.name);
+        if (stored.name !== file.name) {
+          // Same name as a file already there: the server kept both. Say so
+          // and let the user pick before the job starts (the form is read
+          // again then: the user may have changed it, e.g. set overwrite).
+          form.busy(false, label);
+          const useName = (name) => {
+            form.field('input').setValue(name);
+            const again = form.read();
+            if (!again) return;
+            replace(renameHost);
+            submitJob({ ...again.params, input: name }, again.extra.priority ?? 0);
+          };
+          replace(renameHost, h('div', { class: 'notice warning upload-renamed', role: 'status' },
+            h('p', {}, h('code', { text: file.name }), ' already exists in the datasets directory, so this upload was stored as ',
+              h('code', { text: stored.name }), '.'),
+            h('div', { class: 'actions' },
+              h('button', { type: 'button', class: 'primary', text: `Use ${stored.name}`, onclick: () => useName(stored.name) }),
+              h('button', { type: 'button', class: 'secondary', text: `Use the existing ${file.name}`, onclick: () => useName(file.name) }))));
+          return;
+        }
       }
+      await submitJob(read.params, priority);
     });
-    return h('div', {}, h('p', { class: 'muted small', text: kind.description }), form.el);
+    return h('div', {}, h('p', { class: 'muted small kind-description', text: kind.description }), noticeHost, form.el);
   }
 
-  if (all.length) show(all.find((k) => k.kind === 'dataset') || all[0]);
+  // #/jobs?new=finetune&train=… opens that kind's form filled in.
+  const wanted = all.find((k) => k.kind === query.get('new'));
+  if (wanted) {
+    const prefill = {};
+    for (const [key, value] of query) if (key !== 'new' && wanted.schema.properties?.[key]) prefill[key] = value;
+    show(wanted, prefill);
+  } else if (all.length) {
+    show(all.find((k) => k.kind === 'dataset') || all[0]);
+  }
   return h('section', { class: 'card', 'aria-labelledby': 'new-job-title' }, h('h2', { id: 'new-job-title', text: 'New job' }), picker, host);
 }
 
@@ -152,9 +282,9 @@ export function mount(root, _params, query) {
     if (!jobs.length) {
       replace(listHost, h('p', { class: 'empty', text: filters.status || filters.kind ? 'No job matches these filters.' : 'No jobs yet. Submit one with the form.' }));
     } else {
-      replace(listHost, h('table', { class: 'jobs' },
+      replace(listHost, stackTable(h('table', { class: 'jobs' },
         h('thead', {}, h('tr', {}, ['Job', 'Kind', 'Status', 'Progress', 'Created', 'Ran for'].map((t) => h('th', { scope: 'col', text: t })))),
-        h('tbody', {}, jobs.map(jobRow))));
+        h('tbody', {}, jobs.map(jobRow)))));
     }
     more.hidden = !cursor;
   }
@@ -195,7 +325,7 @@ export function mount(root, _params, query) {
   jobKinds().then((kinds) => {
     for (const k of kinds) kindSel.append(h('option', { value: k.kind, text: k.kind }));
     kindSel.value = filters.kind;
-    replace(sideHost, submitPanel(kinds, (job) => { location.hash = `#/jobs/${encodeURIComponent(job.id)}`; }));
+    replace(sideHost, submitPanel(kinds, (job) => { location.hash = `#/jobs/${encodeURIComponent(job.id)}`; }, query));
   }).catch((err) => replace(sideHost, h('section', { class: 'card' }, errorBox(err, 'Could not load the job kinds'))));
 
   return () => poller.stop();

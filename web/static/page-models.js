@@ -1,11 +1,11 @@
 // Models: the library with load/unload (with options) and load progress,
 // and a form that pulls a model from the Hub as a download job.
 import { ApiError, getJson, modelPath, postJson } from './api.js';
-import { badge, errorBox, formatBytes, h, progressBar, replace, safeId } from './dom.js';
+import { badge, errorBox, formatBytes, h, progressBar, replace, safeId, stackTable } from './dom.js';
 import { SchemaForm } from './form.js';
 import { keepAliveText } from './page-overview.js';
 import { poll } from './poll.js';
-import { FIELD_HINTS, PRIORITY_FIELD, jobKinds } from './schema.js';
+import { PRIORITY_FIELD, fieldText, jobKinds } from './schema.js';
 
 const LOADED = new Set(['starting', 'ready', 'draining']);
 // A worker that died: its reason and the last lines of its log are shown.
@@ -50,7 +50,7 @@ export function mount(root) {
 
   function loadForm(m) {
     if (!loadForms.has(m.id)) {
-      const form = new SchemaForm(safeId('load', m.id), LOAD_SCHEMA, { submitLabel: 'Load' });
+      const form = new SchemaForm(safeId('load', m.id), LOAD_SCHEMA, { ...fieldText('load'), submitLabel: 'Load' });
       if (m.context_length) form.field('n_ctx').input.placeholder = `automatic (native ${m.context_length})`;
       form.el.addEventListener('submit', async (ev) => {
         ev.preventDefault();
@@ -139,9 +139,9 @@ export function mount(root) {
     // Don't redraw under someone typing in a load form (the form itself is kept across redraws).
     const focused = document.activeElement;
     if (focused && tableHost.contains(focused) && focused.matches('input, select, textarea')) return;
-    replace(tableHost, h('div', { class: 'table-wrap' }, h('table', { class: 'models' },
-      h('thead', {}, h('tr', {}, ['Model', 'Size', 'Quant', 'Architecture', 'Context', 'Capabilities', 'State', ''].map((t) => h('th', { scope: 'col', text: t })))),
-      h('tbody', {}, models.map(row)))));
+    replace(tableHost, h('div', { class: 'table-wrap' }, stackTable(h('table', { class: 'models' },
+      h('thead', {}, h('tr', {}, ['Model', 'Size', 'Quant', 'Architecture', 'Context', 'Capabilities', 'State', 'Actions'].map((t) => h('th', { scope: 'col', text: t })))),
+      h('tbody', {}, models.map(row))))));
   }
 
   const poller = poll(async () => {
@@ -157,7 +157,7 @@ export function mount(root) {
   jobKinds().then((kinds) => {
     const spec = kinds.find((k) => k.kind === 'download');
     if (!spec) { pullHost.append(h('p', { class: 'muted', text: 'This server has no download job kind.' })); return; }
-    const form = new SchemaForm('pull-form', spec.schema, { hints: FIELD_HINTS, extra: PRIORITY_FIELD, submitLabel: 'Pull' });
+    const form = new SchemaForm('pull-form', spec.schema, { ...fieldText('download'), extra: PRIORITY_FIELD, submitLabel: 'Pull' });
     form.el.addEventListener('submit', async (ev) => {
       ev.preventDefault();
       const read = form.read();

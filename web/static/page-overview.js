@@ -1,10 +1,14 @@
 // Overview: what the workstation is doing right now. Polls the service,
 // the GPU lease, the models and the active jobs.
 import { getJson } from './api.js';
-import { badge, errorBox, formatBytes, formatDuration, h, progressBar, replace } from './dom.js';
+import { badge, errorBox, formatBytes, formatDuration, h, progressBar, replace, stackTable } from './dom.js';
 import { poll } from './poll.js';
 
-const ACTIVE_MODEL_STATES = new Set(['starting', 'ready', 'draining', 'stopping', 'crashed', 'failed']);
+const LOADED_MODEL_STATES = new Set(['starting', 'ready', 'draining', 'stopping']);
+const BROKEN_MODEL_STATES = new Set(['crashed', 'failed']);
+export const DEMO_MODEL = 'tiny-random-demo';
+// Small, well-known GGUF repos to start with.
+export const STARTER_REPOS = ['ggml-org/gemma-3-270m-it-GGUF', 'Qwen/Qwen2.5-0.5B-Instruct-GGUF', 'bartowski/SmolLM2-360M-Instruct-GGUF'];
 
 export function keepAliveText(model, now = Date.now() / 1000) {
   const at = model.keep_alive_expires_at;
@@ -69,20 +73,49 @@ function gpuCard(gpu) {
 
 function modelsCard(models) {
   if (!models) return card('Loaded models', h('p', { class: 'muted', text: 'Loading…' }));
-  const active = models.filter((m) => ACTIVE_MODEL_STATES.has(m.state));
+  const loaded = models.filter((m) => LOADED_MODEL_STATES.has(m.state));
+  const broken = models.filter((m) => BROKEN_MODEL_STATES.has(m.state));
   const link = h('a', { href: '#/models', class: 'small', text: 'All models' });
-  if (!active.length) return card('Loaded models', h('p', { class: 'empty', text: 'No model is loaded. Models load on first use, or from the Models page.' }), link);
-  const rows = active.map((m) => h('tr', {},
+  // A model that failed holds no memory: it is listed apart, with why.
+  const failures = broken.length ? h('div', { class: 'failed-models' },
+    h('h3', { text: 'Failed models' }),
+    h('ul', { class: 'plain' }, broken.map((m) => h('li', { dataset: { failedModel: m.id } },
+      h('div', { class: 'row' }, h('code', { text: m.id }), badge(m.state, m.state === 'crashed' ? 'restarting' : 'failed')),
+      h('p', { class: 'small model-reason', text: m.reason || 'no reason given' }))))) : null;
+  if (!loaded.length) {
+    return card('Loaded models', [h('p', { class: 'empty', text: 'No model is loaded. Models load on first use, or from the Models page.' }), failures], link);
+  }
+  const rows = loaded.map((m) => h('tr', { dataset: { model: m.id } },
     h('td', {}, h('code', { text: m.id })),
-    h('td', {}, badge(m.state), m.load ? progressBar(m.load.progress, `loading ${m.id}`) : null,
-      (m.state === 'failed' || m.state === 'crashed') && m.reason ? h('p', { class: 'small model-reason', text: m.reason }) : null),
+    h('td', {}, badge(m.state), m.load ? progressBar(m.load.progress, `loading ${m.id}`) : null),
     h('td', { text: m.fit ? formatBytes(m.fit.needed_bytes) : formatBytes(m.size_bytes) }),
     h('td', { text: m.worker?.n_ctx ? String(m.worker.n_ctx) : '—' }),
     h('td', { class: 'keepalive', dataset: { expires: m.keep_alive_expires_at ?? '', state: m.state }, text: keepAliveText(m) }),
     h('td', { text: m.worker ? `${m.worker.in_flight} / ${m.worker.queued}` : '—' })));
-  return card('Loaded models', h('div', { class: 'table-wrap' }, h('table', {},
+  return card('Loaded models', [h('div', { class: 'table-wrap' }, stackTable(h('table', { class: 'loaded' },
     h('thead', {}, h('tr', {}, ['Model', 'State', 'Memory', 'Context', 'Keep-alive', 'Busy / queued'].map((t) => h('th', { text: t })))),
-    h('tbody', {}, rows))), link);
+    h('tbody', {}, rows)))), failures], link);
+}
+
+// Only the demo model (or nothing): say what it is and how to add a real one.
+function gettingStarted(models) {
+  if (!models) return null;
+  const real = models.filter((m) => m.id !== DEMO_MODEL);
+  if (real.length) return null;
+  const demo = models.find((m) => m.id === DEMO_MODEL);
+  const dir = demo?.source === 'dir' && demo.path ? demo.path.replace(/\/[^/]*$/, '') : null;
+  const cmd = (text) => h('li', {}, h('code', { text }));
+  return h('section', { class: 'card getting-started', 'aria-label': 'Getting started' },
+    h('h2', { text: 'Add a real model' }),
+    demo
+      ? h('p', {}, h('code', { text: DEMO_MODEL }),
+        ' is a tiny demo model with random weights that gpuvisor writes so there is something to try: it loads in a moment and its answers are gibberish.')
+      : h('p', { text: 'There is no model yet.' }),
+    h('p', {}, 'Put GGUF files into ', dir ? h('code', { class: 'models-dir', text: dir }) : 'the models directory',
+      ', or pull one from the Hugging Face Hub from a shell in the gpuvisor checkout:'),
+    h('ul', { class: 'plain commands' }, STARTER_REPOS.map((r) => cmd(`.venv/bin/gpuvisor pull ${r}`))),
+    h('p', { class: 'small muted' }, 'Add ', h('code', { text: ':Q4_K_M' }), ' to a repo to pick a quantization. Or use ',
+      h('a', { href: '#/models', text: 'Pull from the Hub' }), ' on the Models page. New files show up by themselves.'));
 }
 
 function jobsCard(jobs) {
@@ -105,7 +138,7 @@ export function mount(root) {
   const state = { health: null, gpu: null, models: null, jobs: null };
 
   function render() {
-    replace(grid, serviceCard(state.health, version, state.models), gpuCard(state.gpu), modelsCard(state.models), jobsCard(state.jobs));
+    replace(grid, gettingStarted(state.models), serviceCard(state.health, version, state.models), gpuCard(state.gpu), modelsCard(state.models), jobsCard(state.jobs));
   }
   render();
 
