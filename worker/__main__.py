@@ -32,6 +32,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--engine-socket", default="",
                     help="Unix socket (ending in .sock) for the engine's own HTTP listener; "
                          "default: beside --socket")
+    ap.add_argument("--mmproj", default="", help="the model's image projector (mmproj GGUF)")
     ap.add_argument("--heartbeat", type=float, default=1.0)
     return ap.parse_args(argv)
 
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_socket = args.engine_socket or str(Path(args.socket).with_suffix(".e.sock"))
     faulthandler.enable()  # a native crash leaves its Python stack in the log
     opts = EngineOptions(args.model, args.n_ctx, args.n_gpu_layers, args.threads, args.embedding,
-                         args.cache_type, args.draft_ngram, args.parallel, engine_socket)
+                         args.cache_type, args.draft_ngram, args.parallel, engine_socket,
+                         args.mmproj)
     return asyncio.run(run(opts, args.socket, args.heartbeat))
 
 

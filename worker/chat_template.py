@@ -25,7 +25,7 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 
-from worker.protocol import ChatMessage
+from worker.protocol import MEDIA_MARKER, ChatMessage, TextPart
 
 CHATML_FALLBACK = (
     "{% for message in messages %}"
@@ -109,8 +109,12 @@ class ChatRenderer:
         messages: list[ChatMessage],
         tools: list[dict[str, Any]] | None = None,
         variables: dict[str, Any] | None = None,
+        media_marker: str = MEDIA_MARKER,
     ) -> str:
-        payload = [self._quirks.message_dict(m) for m in messages]
+        """The prompt text; each image part becomes ``media_marker``, where
+        the engine puts that image's embeddings (as llama.cpp's own chat path
+        does, so templates see string content)."""
+        payload = [self._quirks.message_dict(m, media_marker) for m in messages]
         try:
             text = self._template.render(
                 messages=payload,
@@ -209,9 +213,11 @@ class _Quirks:
             call = {**call, "id": self._call_id(call["id"])}
         return call
 
-    def message_dict(self, msg: ChatMessage) -> dict[str, Any]:
+    def message_dict(self, msg: ChatMessage, media_marker: str = MEDIA_MARKER) -> dict[str, Any]:
         # Most templates join content as a string, so a missing one is "".
         content: str | None = msg.content if msg.content is not None else ""
+        if msg.parts is not None:
+            content = "".join(p.text if isinstance(p, TextPart) else media_marker for p in msg.parts)
         if self.null_content and msg.tool_calls and not content:
             content = None
         out: dict[str, Any] = {"role": msg.role, "content": content}

@@ -16,7 +16,10 @@ Unix socket and serves only tokenization and model facts to this process.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +32,9 @@ import xllamacpp
 from worker.chat_template import ChatRenderer, TemplateError
 from worker.gguf_meta import GGUFMetaError, read_metadata
 from worker.grammar_guard import check_grammar, schema_to_grammar
+from worker.images import ImageError, check_images, placements
 from worker.protocol import (
+    MEDIA_MARKER,
     Delta,
     Done,
     Error,
@@ -42,6 +47,9 @@ from worker.protocol import (
 )
 from worker.schema_gbnf import json_object_gbnf
 from worker.unix_http import UnixJSONClient
+from worker.vision import ProjectorError, check_projector, oai_chunk
+
+log = logging.getLogger("gpuvisor.worker")
 
 Emit = Callable[[Started | Delta | Done | Error], None]
 
@@ -75,6 +83,8 @@ class EngineOptions:
     parallel: int = 1
     # Where the engine's own HTTP listener binds (a Unix socket, never TCP).
     engine_socket: str = ""
+    # The model's image projector (mmproj GGUF); "" = text only.
+    mmproj: str = ""
 
 
 @dataclass
@@ -93,7 +103,7 @@ class Counters:
                 self.requests_done += 1
 
 
-def engine_params(opts: EngineOptions) -> xllamacpp.CommonParams:
+def engine_params(opts: EngineOptions, mmproj: str = "") -> xllamacpp.CommonParams:
     p = xllamacpp.CommonParams()
     p.model.path = opts.model_path
     parallel = max(1, opts.parallel)
@@ -139,6 +149,13 @@ def engine_params(opts: EngineOptions) -> xllamacpp.CommonParams:
         p.speculative.types = [xllamacpp.common_speculative_type.COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE]
         p.speculative.ngram_simple.size_m = opts.draft_ngram
     p.hostnames = [opts.engine_socket]
+    if mmproj:
+        p.mmproj.path = mmproj
+        # A CPU-only model keeps its projector on the CPU too.
+        p.mmproj_use_gpu = opts.n_gpu_layers != 0
+        # Requests with images stream over the listener, one HTTP thread
+        # each for their whole generation, beside tokenize calls.
+        p.n_threads_http = 2 + max(1, opts.parallel)
     return p
 
 
@@ -255,14 +272,32 @@ class Engine:
         except (OSError, GGUFMetaError) as exc:
             raise LoadError(f"cannot load {opts.model_path}: {exc}") from exc
         sock = Path(opts.engine_socket)
-        # A stale socket file makes the engine's listener fail to bind.
-        sock.unlink(missing_ok=True)
+        self.vision_error = ""
+        mmproj = opts.mmproj
+        if mmproj:
+            try:
+                check_projector(Path(mmproj))
+            except ProjectorError as exc:
+                self.vision_error = str(exc)
+                mmproj = ""
         try:
-            self.server = xllamacpp.Server(engine_params(opts))
-        except (RuntimeError, ValueError, OSError) as exc:
-            raise LoadError(f"cannot load {opts.model_path}: {exc}") from exc
+            self.server = self._start(opts, sock, mmproj)
+        except LoadError:
+            if not mmproj:
+                raise
+            # The engine reports any load failure the same way: retry
+            # without the projector to tell whose it was, and serve text.
+            self.server = self._start(opts, sock, "")
+            self.vision_error = (f"the engine could not load the projector {Path(mmproj).name} "
+                                 "(its log says why, e.g. an embedding width unlike the model's)")
+        if self.vision_error:
+            log.warning("serving text only: %s", self.vision_error)
         self.http = UnixJSONClient(sock)
         props = self.http.request("GET", "/props")
+        self.vision = bool((props.get("modalities") or {}).get("vision"))
+        # The engine draws a random marker at start, so text from a client
+        # can never place an image by spelling it.
+        self.media_marker = str(props.get("media_marker") or "")
         info = self.http.request("GET", "/v1/models")["data"][0].get("meta", {})
         raw_template = meta.get("tokenizer.chat_template")
         template = raw_template if isinstance(raw_template, str) else None
@@ -277,21 +312,52 @@ class Engine:
             has_chat_template=template is not None,
             embedding=opts.embedding,
             chat_template=template,
+            vision=self.vision,
+            vision_error=self.vision_error,
         )
+
+    @staticmethod
+    def _start(opts: EngineOptions, sock: Path, mmproj: str) -> xllamacpp.Server:
+        # A stale socket file makes the engine's listener fail to bind.
+        sock.unlink(missing_ok=True)
+        try:
+            return xllamacpp.Server(engine_params(opts, mmproj))
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise LoadError(f"cannot load {opts.model_path}: {exc}") from exc
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.http.tokenize(text, add_special=add_special, parse_special=True)
 
     def prompt_text(self, req: Generate) -> tuple[str, list[str]]:
         if req.messages is not None:
-            text = self.renderer.render(req.messages, req.tools, req.template_vars)
+            text = self.renderer.render(req.messages, req.tools, req.template_vars,
+                                        self.media_marker or MEDIA_MARKER)
             return text, self.renderer.extra_stops
-        return req.prompt or "", []
+        prompt = req.prompt or ""
+        if req.images:
+            prompt = prompt.replace(MEDIA_MARKER, self.media_marker)
+        return prompt, []
+
+    def _check_images(self, req: Generate) -> None:
+        if not self.vision:
+            reason = f": {self.vision_error}" if self.vision_error else ""
+            raise ImageError("vision_unavailable", f"this model takes no images{reason}")
+        check_images(req)
 
     def generate(self, req: Generate, emit: Emit, cancelled: threading.Event) -> None:
         try:
+            # A raw prompt's markers mean images only when it carries some.
+            if req.images or (req.messages is not None and placements(req) > 0):
+                self._check_images(req)
             text, extra_stops = self.prompt_text(req)
             grammar = output_grammar(req.params)
+            if req.images and text.endswith(self.media_marker):
+                # The engine aborts the process on a prompt whose last chunk
+                # is an image (it needs a text token to sample from).
+                raise ImageError("invalid_request", "the prompt ends with an image; text must follow it")
+        except ImageError as exc:
+            emit(exc.reply(req.id))
+            return
         except TemplateError as exc:
             emit(Error(req.id, "template_error", str(exc)))
             return
@@ -302,7 +368,10 @@ class Engine:
         body.update(prompt=text, stream=True, return_progress=True, timings_per_token=True,
                     cache_prompt=True)
         stream = _Stream(req, emit, cancelled)
-        self.server.handle_completions(body, stream.on_chunk)
+        if req.images:
+            self._native_completion(req, body, stream)
+        else:
+            self.server.handle_completions(body, stream.on_chunk)
         if stream.error is not None and not stream.began:
             emit(self._rejection(req, stream.error, grammar is not None))
             return
@@ -313,9 +382,23 @@ class Engine:
         self.counters.count(done.finish_reason, done.completion_tokens)
         emit(done)
 
+    def _native_completion(self, req: Generate, body: dict[str, Any], stream: _Stream) -> None:
+        """Run a request with images on the engine's native route (the only
+        one that takes them), feeding ``stream`` OpenAI-shaped chunks."""
+        body["prompt"] = {"prompt_string": body["prompt"],
+                          "multimodal_data": [base64.b64encode(b).decode("ascii") for b in req.images]}
+        with contextlib.closing(self.http.stream("/completions", body)) as events:
+            for event in events:
+                if stream.on_chunk(oai_chunk(event)):
+                    break  # closing the connection stops the generation
+
     def _rejection(self, req: Generate, error: dict[str, Any], has_grammar: bool) -> Error:
         """A request the engine refused before its slot began."""
         message = str(error.get("message", "the engine refused the request"))
+        if req.images and "image" in message.lower():
+            # Our checks pass only known formats by their magic bytes; the
+            # engine's decoder refuses a corrupt body with this message.
+            return Error(req.id, "invalid_image", f"cannot decode an image: {message}")
         if error.get("type") == "exceed_context_size_error":
             return Error(req.id, "context_length_exceeded",
                          f"the prompt has {error.get('n_prompt_tokens')} tokens; "

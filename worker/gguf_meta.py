@@ -72,6 +72,15 @@ class _Cursor:
 
 def read_metadata(path: Path) -> dict[str, str | int | float | bool]:
     """Every non-array key of the header."""
+    return _read(path)[0]
+
+
+def read_header(path: Path) -> tuple[dict[str, str | int | float | bool], set[str]]:
+    """Every non-array key of the header, and the names of all its keys."""
+    return _read(path)
+
+
+def _read(path: Path) -> tuple[dict[str, str | int | float | bool], set[str]]:
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         cur = _Cursor(buf)
         if buf[:4] != b"GGUF":
@@ -85,9 +94,11 @@ def read_metadata(path: Path) -> dict[str, str | int | float | bool]:
         if n_kv > MAX_KEYS:
             raise GGUFMetaError(f"GGUF header claims {n_kv} keys")
         out: dict[str, str | int | float | bool] = {}
+        names: set[str] = set()
         for _ in range(n_kv):
             key = cur.string()
+            names.add(key)
             value = cur.value(int(cur.unpack("I")))
             if value is not None:
                 out[key] = value
-        return out
+        return out, names

@@ -44,6 +44,27 @@ class InvalidMessage(ProtocolError):
 
 # ---------------------------------------------------------------- shared parts
 
+# Bounds on the images of one Generate (the parent checks them first; the
+# worker answers a request over them with Error "too_many_images" or
+# "image_too_large"). All of a request's images also travel in one frame, so
+# together they must stay under MAX_FRAME.
+MAX_IMAGES = 8
+MAX_IMAGE_BYTES = 4 * 1024 * 1024
+# Where an image goes in a raw ``Generate.prompt``: one marker per image, in
+# order. Chat messages say it with ImagePart instead.
+MEDIA_MARKER = "<__media__>"
+
+
+class TextPart(msgspec.Struct, tag="text"):
+    text: str
+
+
+class ImagePart(msgspec.Struct, tag="image"):
+    """The request's next image (``Generate.images``, taken in order) goes here."""
+
+
+ContentPart = TextPart | ImagePart
+
 
 class ChatMessage(msgspec.Struct, omit_defaults=True):
     role: str
@@ -54,6 +75,8 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
     name: str | None = None
     # Reasoning text of an earlier assistant turn (templates may render it).
     reasoning_content: str | None = None
+    # Text and images in order; when set, it stands in for ``content``.
+    parts: list[ContentPart] | None = None
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -92,6 +115,9 @@ class Generate(msgspec.Struct, tag=True, omit_defaults=True):
     # Extra variables for the chat template (e.g. enable_thinking).
     template_vars: dict[str, Any] = {}
     request_id: str = ""
+    # Encoded images (PNG, JPEG, WebP or GIF bytes), placed by the ImageParts
+    # of ``messages`` or the MEDIA_MARKERs of ``prompt``, in order.
+    images: list[bytes] = []
 
 
 class Tokenize(msgspec.Struct, tag=True):
@@ -131,6 +157,10 @@ class ModelFacts(msgspec.Struct):
     has_chat_template: bool
     embedding: bool
     chat_template: str | None = None
+    # Whether the worker takes images (its projector loaded), and if one was
+    # given but not loaded, why; the model then serves text only.
+    vision: bool = False
+    vision_error: str = ""
 
 
 class Hello(msgspec.Struct, tag=True):

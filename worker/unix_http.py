@@ -12,6 +12,7 @@ import http.client
 import json
 import socket
 import threading
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,37 @@ class UnixJSONClient:
         if not 200 <= resp.status < 300:
             raise EngineHTTPError(resp.status, raw.decode("utf-8", "replace"))
         return json.loads(raw)
+
+    def stream(self, path: str, body: Any, timeout: float = 600.0) -> Generator[dict[str, Any], None, None]:
+        """POST ``body`` and yield each server-sent event's JSON, on a
+        connection of its own: closing the generator early closes it, and the
+        engine stops that generation at its next write."""
+        conn = _UnixConnection(self._path, timeout)
+        try:
+            conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if not 200 <= resp.status < 300:
+                raw = resp.read().decode("utf-8", "replace")
+                try:
+                    refusal = json.loads(raw)
+                except json.JSONDecodeError:
+                    raise EngineHTTPError(resp.status, raw) from None
+                if not isinstance(refusal, dict) or "error" not in refusal:
+                    raise EngineHTTPError(resp.status, raw)
+                yield refusal
+                return
+            while line := resp.readline():
+                # Events are "data: {json}"; a failure mid-stream may come
+                # as "error: {json}".
+                kind, _, payload = line.partition(b": ")
+                if kind not in (b"data", b"error") or not payload.strip().startswith(b"{"):
+                    continue
+                event = json.loads(payload)
+                if kind == b"error" and "error" not in event:
+                    event = {"error": event}
+                yield event
+        finally:
+            conn.close()
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         out = self.request("POST", "/tokenize",

@@ -1,0 +1,187 @@
+"""A tiny random-weight vision model pair: a text GGUF and its mmproj GGUF.
+
+The projector is LLaVA-style (``clip.projector_type = "mlp"``): a ViT over
+square patches, then a two-layer MLP into the text model's embedding space.
+It is the simplest projector llama.cpp's clip loader accepts: one image is
+``(image_size / patch_size) ** 2`` embeddings, with no special tokens around
+them. Tensor names and header keys follow llama.cpp's clip loader; numpy
+shapes are (ne1, ne0, ...), rows first, as gguf stores them. Weights are
+random, so outputs are gibberish, but deterministic under greedy decoding
+and dependent on the image's pixels.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import gguf
+import numpy as np
+TEXT_EMBD = 64
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+
+def write_tiny_text_model(path: Path, *, seed: int = 0, n_embd: int = TEXT_EMBD, n_layer: int = 2,
+                          n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128, n_ctx: int = 2048,
+                          n_words: int = 200) -> Path:
+    """A random llama-architecture text GGUF (F32) with a SentencePiece-style
+    vocab: specials, the 256 byte tokens, then ``n_words`` word pieces."""
+    rng = np.random.default_rng(seed)
+    tokens = [*_SPECIALS, *(f"<0x{b:02X}>" for b in range(256)), *(f"\u2581w{i}" for i in range(n_words))]
+    types = ([gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * (len(_SPECIALS) - 1)
+             + [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * n_words)
+    scores = [0.0] * (len(_SPECIALS) + 256) + [-10.0 - i * 0.01 for i in range(n_words)]
+    n_vocab = len(tokens)
+    tmp = path.with_name(path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name("tiny-random-vl")
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(CHATML_TEMPLATE)
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.5).astype(np.float32)
+
+    n_kv = n_embd // n_head * n_head_kv
+    w.add_tensor("token_embd.weight", rand(n_vocab, n_embd))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("output.weight", rand(n_vocab, n_embd))
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.attn_q.weight", rand(n_embd, n_embd))
+        w.add_tensor(f"blk.{i}.attn_k.weight", rand(n_kv, n_embd))
+        w.add_tensor(f"blk.{i}.attn_v.weight", rand(n_kv, n_embd))
+        w.add_tensor(f"blk.{i}.attn_output.weight", rand(n_embd, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", rand(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", rand(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", rand(n_embd, n_ff))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+    return path
+
+
+def write_tiny_mmproj(
+    path: Path,
+    *,
+    seed: int = 0,
+    text_embd: int = TEXT_EMBD,
+    image_size: int = 32,
+    patch_size: int = 8,
+    n_embd: int = 32,
+    n_head: int = 2,
+    n_ff: int = 48,
+    n_layer: int = 2,
+    proj_hidden: int = 48,
+) -> Path:
+    """Write a random LLaVA-style mmproj (F32) whose output is ``text_embd`` wide."""
+    rng = np.random.default_rng(seed)
+    n_pos = (image_size // patch_size) ** 2
+    tmp = path.with_name(path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), "clip")
+    w.add_name("tiny-random-mmproj")
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool("clip.has_audio_encoder", False)
+    w.add_string("clip.projector_type", "mlp")
+    w.add_bool("clip.use_gelu", True)
+    w.add_uint32("clip.vision.image_size", image_size)
+    w.add_uint32("clip.vision.patch_size", patch_size)
+    w.add_uint32("clip.vision.embedding_length", n_embd)
+    w.add_uint32("clip.vision.feed_forward_length", n_ff)
+    w.add_uint32("clip.vision.block_count", n_layer)
+    w.add_uint32("clip.vision.projection_dim", text_embd)
+    w.add_uint32("clip.vision.attention.head_count", n_head)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
+    def zeros(n: int) -> np.ndarray:
+        return np.zeros(n, dtype=np.float32)
+
+    # Conv kernel ne = [patch, patch, 3, n_embd].
+    w.add_tensor("v.patch_embd.weight", rand(n_embd, 3, patch_size, patch_size))
+    w.add_tensor("v.patch_embd.bias", zeros(n_embd))
+    w.add_tensor("v.position_embd.weight", rand(n_pos, n_embd))
+    w.add_tensor("v.pre_ln.weight", ones(n_embd))
+    w.add_tensor("v.pre_ln.bias", zeros(n_embd))
+    for i in range(n_layer):
+        b = f"v.blk.{i}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.add_tensor(f"{b}.{name}.weight", rand(n_embd, n_embd))
+            w.add_tensor(f"{b}.{name}.bias", zeros(n_embd))
+        for name in ("ln1", "ln2"):
+            w.add_tensor(f"{b}.{name}.weight", ones(n_embd))
+            w.add_tensor(f"{b}.{name}.bias", zeros(n_embd))
+        # n_ff != n_embd: the loader swaps up/down of old files whose down
+        # projection's input width equals n_embd.
+        w.add_tensor(f"{b}.ffn_up.weight", rand(n_ff, n_embd))
+        w.add_tensor(f"{b}.ffn_up.bias", zeros(n_ff))
+        w.add_tensor(f"{b}.ffn_down.weight", rand(n_embd, n_ff))
+        w.add_tensor(f"{b}.ffn_down.bias", zeros(n_embd))
+    w.add_tensor("mm.0.weight", rand(proj_hidden, n_embd))
+    w.add_tensor("mm.0.bias", zeros(proj_hidden))
+    w.add_tensor("mm.2.weight", rand(text_embd, proj_hidden))
+    w.add_tensor("mm.2.bias", zeros(text_embd))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+    return path
+
+
+def write_tiny_vision_pair(directory: Path, *, seed: int = 0) -> tuple[Path, Path]:
+    """The text model and its projector, in ``directory``."""
+    text = write_tiny_text_model(directory / "tiny-vl.gguf", seed=seed)
+    mmproj = write_tiny_mmproj(directory / "mmproj-tiny-vl.gguf", seed=seed, text_embd=TEXT_EMBD)
+    return text, mmproj
+
+
+def png(width: int, height: int, rgb: tuple[int, int, int] | None = None, *, seed: int = 0) -> bytes:
+    """A truecolour PNG: one colour, or random pixels from ``seed``."""
+    if rgb is not None:
+        pixels = np.empty((height, width, 3), dtype=np.uint8)
+        pixels[:, :] = rgb
+    else:
+        pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    raw = b"".join(b"\x00" + pixels[y].tobytes() for y in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
