@@ -23,6 +23,13 @@ import msgspec
 
 PROTOCOL_VERSION = 2
 MAX_FRAME = 16 * 1024 * 1024
+
+# The worker's exit codes are part of the contract: 0 = it was asked to stop;
+# EXIT_LOAD_FAILED = the model cannot be loaded (bad file, does not fit), so
+# the parent reports the reason and does not restart it; anything else is a
+# crash, restarted with backoff.
+EXIT_OK = 0
+EXIT_LOAD_FAILED = 3
 _HEADER = struct.Struct(">I")
 
 

@@ -23,8 +23,6 @@ from worker.engine import Engine, EngineOptions, LoadError
 
 log = logging.getLogger("gpuvisor.worker")
 
-EXIT_OK = 0
-EXIT_LOAD_FAILED = 3
 
 
 def watch_stdin() -> None:
@@ -35,7 +33,7 @@ def watch_stdin() -> None:
         # reader would abort the interpreter at exit.
         while os.read(0, 65536):
             pass
-        os._exit(EXIT_OK)
+        os._exit(p.EXIT_OK)
 
     threading.Thread(target=run, name="stdin-watch", daemon=True).start()
 
@@ -154,14 +152,14 @@ class WorkerServer:
                 self.outbox.send(p.Error(-1, "protocol_error", str(exc)))
                 return 1
             if body is None:
-                return EXIT_OK
+                return p.EXIT_OK
             try:
                 msg = self.codec.decode(body)
             except p.InvalidMessage as exc:
                 self.outbox.send(p.Error(-1, "invalid_message", str(exc)))
                 continue
             if isinstance(msg, p.Shutdown):
-                return EXIT_OK
+                return p.EXIT_OK
             self.dispatch(msg)
 
     def dispatch(self, msg: p.ToWorker) -> None:
@@ -242,7 +240,7 @@ async def run(opts: EngineOptions, socket_path: str, heartbeat_s: float) -> int:
         writer.write(codec.encode(p.LoadFailed(p.PROTOCOL_VERSION, str(exc))))
         await writer.drain()
         writer.close()
-        return EXIT_LOAD_FAILED
+        return p.EXIT_LOAD_FAILED
     writer.write(codec.encode(p.Hello(p.PROTOCOL_VERSION, os.getpid(), engine.facts)))
     await writer.drain()
     code = await WorkerServer(engine, reader, writer, heartbeat_s).serve()
