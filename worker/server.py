@@ -24,7 +24,6 @@ from worker.engine import Engine, EngineOptions, LoadError
 log = logging.getLogger("gpuvisor.worker")
 
 
-
 def watch_stdin() -> None:
     """Exit as soon as the parent is gone (its end of our stdin closes)."""
 
