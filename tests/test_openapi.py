@@ -37,7 +37,7 @@ def test_every_registered_route_is_documented(tmp_path: Path) -> None:
     registered = _registered(tmp_path)
     documented = openapi.operation_keys()
     missing = sorted(registered - documented)
-    assert not missing, f"routes without an OpenAPI entry in supervisor/openapi.py ROUTES: {missing}"
+    assert not missing, f"routes without an OpenAPI entry in supervisor/api/openapi.py ROUTES: {missing}"
     stale = sorted(documented - registered)
     assert not stale, f"documented routes the app does not register: {stale}"
 
