@@ -49,7 +49,7 @@ from jobs.context import (
 )
 from jobs.download_params import DownloadParams
 from jobs.events import JobIO
-from supervisor.models.library import group_gguf_files, hf_model_id, model_stem
+from jobs.gguf_names import group_gguf_files, hf_model_id, model_stem
 
 # Read granularity: progress and cancel react within one chunk.
 CHUNK_BYTES = 1024 * 1024

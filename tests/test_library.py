@@ -8,12 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.models.library import (
-    ModelLibrary,
-    group_gguf_files,
-    hf_model_id,
-    model_stem,
-)
+from jobs.gguf_names import group_gguf_files, hf_model_id, model_stem
+from supervisor.models.library import ModelLibrary
 from tests import gguf_headers as hdr
 
 WAIT = 5.0  # generous bound for a loaded CI box; the watcher usually takes < 1 s

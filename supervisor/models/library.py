@@ -35,33 +35,25 @@ import builtins
 import contextlib
 import logging
 import os
-import re
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 from watchfiles import Change, awatch
 
+from jobs.gguf_names import (
+    group_gguf_files,
+    hf_model_id,
+    is_temporary_name,
+    pick_projector,
+)
 from supervisor.models.gguf_info import GgufError, GgufInfo, read_gguf_info
 
 log = logging.getLogger(__name__)
-
-SHARD_RE = re.compile(r"^(?P<base>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
-_TEMP_SUFFIXES = (
-    ".part",
-    ".partial",
-    ".tmp",
-    ".temp",
-    ".incomplete",
-    ".download",
-    ".crdownload",
-    ".lock",
-)
-
 
 class ModelEntry(msgspec.Struct, kw_only=True):
     """One model the library offers (or lists as unusable, with the reason)."""
@@ -86,68 +78,6 @@ class _Look(msgspec.Struct):
     size: int
     mtime_ns: int
     at: float  # monotonic time of the first look with this size/mtime
-
-
-def is_temporary_name(name: str) -> bool:
-    lower = name.lower()
-    return name.startswith(".") or any(
-        lower.endswith(s) or f"{s}." in lower for s in _TEMP_SUFFIXES
-    )
-
-
-def is_projector_name(name: str) -> bool:
-    return "mmproj" in name.lower()
-
-
-def model_stem(filename: str) -> str:
-    """File name without folders, shard suffix and ``.gguf``."""
-    name = filename.rsplit("/", 1)[-1]
-    m = SHARD_RE.match(name)
-    return (
-        m.group("base") if m else name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
-    )
-
-
-def hf_model_id(repo_id: str, filename: str) -> str:
-    """The library id of a GGUF file (or shard set) in a hub repo."""
-    return f"{repo_id}/{model_stem(filename)}"
-
-
-def group_gguf_files(names: Iterable[str]) -> tuple[dict[str, list[str]], list[str]]:
-    """Group GGUF file names (relative paths) into models.
-
-    Returns (model key -> its files, shards in order; projector files). The
-    key is the relative path without ``.gguf`` / shard suffix. A shard set
-    missing shards maps to an empty list.
-    """
-    singles: dict[str, list[str]] = {}
-    sets: dict[tuple[str, int], dict[int, str]] = {}
-    projectors: list[str] = []
-    for name in sorted(names):
-        base = name.rsplit("/", 1)[-1]
-        if not base.lower().endswith(".gguf") or is_temporary_name(base):
-            continue
-        if is_projector_name(base):
-            projectors.append(name)
-            continue
-        m = SHARD_RE.match(base)
-        if m is None:
-            singles[name[: -len(".gguf")]] = [name]
-            continue
-        key = name[: len(name) - len(base)] + m.group("base")
-        sets.setdefault((key, int(m.group("count"))), {})[int(m.group("no"))] = name
-    for (key, count), shards in sets.items():
-        complete = count > 0 and sorted(shards) == list(range(1, count + 1))
-        singles[key] = [shards[i] for i in sorted(shards)] if complete else []
-    return singles, projectors
-
-
-def pick_projector(candidates: Sequence[str]) -> str | None:
-    """Prefer an f16 projector, else the first by name."""
-    if not candidates:
-        return None
-    f16 = [c for c in candidates if "f16" in c.lower()]
-    return sorted(f16 or candidates)[0]
 
 
 class ModelLibrary:
