@@ -19,73 +19,20 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+
+from supervisor.models.demo import write_tiny_gguf
+
 TEXT_EMBD = 64
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 
 
 def write_tiny_text_model(path: Path, *, seed: int = 0, n_embd: int = TEXT_EMBD, n_layer: int = 2,
                           n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128, n_ctx: int = 2048,
                           n_words: int = 200) -> Path:
-    """A random llama-architecture text GGUF (F32) with a SentencePiece-style
-    vocab: specials, the 256 byte tokens, then ``n_words`` word pieces."""
-    rng = np.random.default_rng(seed)
-    tokens = [*_SPECIALS, *(f"<0x{b:02X}>" for b in range(256)), *(f"\u2581w{i}" for i in range(n_words))]
-    types = ([gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * (len(_SPECIALS) - 1)
-             + [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * n_words)
-    scores = [0.0] * (len(_SPECIALS) + 256) + [-10.0 - i * 0.01 for i in range(n_words)]
-    n_vocab = len(tokens)
-    tmp = path.with_name(path.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
-    w.add_name("tiny-random-vl")
-    w.add_context_length(n_ctx)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_rope_dimension_count(n_embd // n_head)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
-
-    def rand(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * 0.5).astype(np.float32)
-
-    n_kv = n_embd // n_head * n_head_kv
-    w.add_tensor("token_embd.weight", rand(n_vocab, n_embd))
-    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-    w.add_tensor("output.weight", rand(n_vocab, n_embd))
-    for i in range(n_layer):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.attn_q.weight", rand(n_embd, n_embd))
-        w.add_tensor(f"blk.{i}.attn_k.weight", rand(n_kv, n_embd))
-        w.add_tensor(f"blk.{i}.attn_v.weight", rand(n_kv, n_embd))
-        w.add_tensor(f"blk.{i}.attn_output.weight", rand(n_embd, n_embd))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", rand(n_ff, n_embd))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", rand(n_ff, n_embd))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", rand(n_embd, n_ff))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
+    """The demo model's random llama-architecture text GGUF (F32, ChatML
+    template), at the width the projector maps into."""
+    return write_tiny_gguf(path, seed=seed, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                           n_head_kv=n_head_kv, n_ff=n_ff, n_ctx=n_ctx, extra_tokens=n_words,
+                           name="tiny-random-vl")
 
 
 def write_tiny_mmproj(
