@@ -47,7 +47,7 @@ def _keepalive(out: IO[bytes], interval: float, stop: threading.Event) -> None:
 
 
 def run_job(kind: str, io: JobIO, stdout: IO[bytes]) -> int:
-    spec = job_kinds()[kind]
+    spec = job_kinds(include_test=True)[kind]
     try:
         # Read the input before the stdin watchdog starts consuming the pipe.
         job_input = io.read_input()
@@ -82,8 +82,8 @@ def run_job(kind: str, io: JobIO, stdout: IO[bytes]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[1] not in job_kinds():
-        print(f"usage: python -m jobs {{{','.join(sorted(job_kinds()))}}}", file=sys.stderr)
+    if len(argv) != 2 or argv[1] not in job_kinds(include_test=True):
+        print(f"usage: python -m jobs {{{','.join(sorted(job_kinds(include_test=True)))}}}", file=sys.stderr)
         return EXIT_USAGE
     stdout = sys.stdout.buffer
     io = JobIO(stdin=sys.stdin.buffer, stdout=stdout)

@@ -42,6 +42,11 @@ def missing_train_modules() -> list[str]:
     return [m for m in TRAIN_MODULES if importlib.util.find_spec(m) is None]
 
 
+def train_missing_reason(kind: str, missing: Sequence[str]) -> str:
+    """Why a kind that needs the train extra cannot run (submit error and schema)."""
+    return f"{kind} jobs need {', '.join(missing)}, which are not installed: {TRAIN_INSTALL_HINT}"
+
+
 def resolve_hf_model(value: str, ctx: ResolveContext, param: str) -> str:
     """A Hugging Face model dir inside the roots, or a repo id that the job
     looks up in the HF cache (``owner/name``, when no such dir exists)."""
@@ -164,10 +169,8 @@ class FinetuneParams(JobParams):
     def resolve(self, ctx: ResolveContext) -> None:
         missing = missing_train_modules()
         if missing:
-            raise BadRequest(
-                f"finetune jobs need {', '.join(missing)}, which are not installed: {TRAIN_INSTALL_HINT}",
-                param="kind", code="train_extra_missing",
-            )
+            raise BadRequest(train_missing_reason("finetune", missing), param="kind",
+                             code="train_extra_missing")
         self.model = resolve_hf_model(self.model, ctx, "params.model")
         self.train = str(existing_file(self.train, ctx.roots.datasets, ctx.roots, "params.train"))
         if self.eval is not None:

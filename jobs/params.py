@@ -54,6 +54,8 @@ class ResolveContext:
     roots: Roots
     # Maps a model id (as listed by /v1/models) to its GGUF file, if known.
     model_lookup: ModelLookup | None = None
+    # Accept the test-only kinds (the test_job_kinds setting).
+    test_kinds: bool = False
 
 
 def resolve_path(value: str, default_root: Path, roots: Roots, param: str) -> Path:
@@ -201,10 +203,19 @@ class KindSpec:
     grace_s: float = 30.0
     # Saves a checkpoint when stopped with save (SIGUSR1) and can be resumed.
     resumable: bool = False
+    # Offered by the API only with the test_job_kinds setting.
+    test_only: bool = False
+    # Runs only with the ``train`` extra installed (torch, transformers, peft).
+    needs_train: bool = False
 
 
 @functools.cache
-def job_kinds() -> Mapping[str, KindSpec]:
+def job_kinds(include_test: bool = False) -> Mapping[str, KindSpec]:
+    """The kinds the API offers; ``include_test`` adds the test-only ones.
+
+    The runner and the job process know every kind (``include_test=True``):
+    a job stored while the setting was on still runs and reports.
+    """
     # Imported here: download_params imports JobParams from this module.
     from jobs.download_params import DownloadParams
     from jobs.finetune_params import ExportParams, FinetuneParams
@@ -213,28 +224,29 @@ def job_kinds() -> Mapping[str, KindSpec]:
         KindSpec("download", DownloadParams, "jobs.download", "download a model from the Hub"),
         KindSpec(
             "finetune", FinetuneParams, "jobs.finetune", "LoRA fine-tune a Hugging Face model",
-            grace_s=120.0, resumable=True,
+            grace_s=120.0, resumable=True, needs_train=True,
         ),
         KindSpec("export", ExportParams, "jobs.export", "convert a Hugging Face model to GGUF"),
         KindSpec("dataset", DatasetParams, "jobs.dataset", "convert a dataset to chat JSONL"),
         KindSpec("quantize", QuantizeParams, "jobs.quantize", "quantize a GGUF model"),
-        KindSpec("sleep", SleepParams, "jobs.sleep", "a cheap test job", grace_s=10.0),
+        KindSpec("sleep", SleepParams, "jobs.sleep", "a cheap test job", grace_s=10.0, test_only=True),
     ]
-    return MappingProxyType({s.name: s for s in specs})
+    return MappingProxyType({s.name: s for s in specs if include_test or not s.test_only})
 
 
-def kind_spec(kind: str) -> KindSpec:
+def kind_spec(kind: str, *, include_test: bool = True) -> KindSpec:
+    kinds = job_kinds(include_test)
     try:
-        return job_kinds()[kind]
+        return kinds[kind]
     except KeyError:
         raise BadRequest(
-            f"unknown job kind {kind!r}; known: {', '.join(sorted(job_kinds()))}", param="kind"
+            f"unknown job kind {kind!r}; known: {', '.join(sorted(kinds))}", param="kind"
         ) from None
 
 
-def decode_params(kind: str, raw: Mapping[str, Any]) -> JobParams:
+def decode_params(kind: str, raw: Mapping[str, Any], *, include_test: bool = True) -> JobParams:
     """Convert raw params to the kind's struct (no path resolution)."""
-    spec = kind_spec(kind)
+    spec = kind_spec(kind, include_test=include_test)
     try:
         return msgspec.convert(dict(raw), spec.params)
     except msgspec.ValidationError as exc:
@@ -247,8 +259,9 @@ def decode_params(kind: str, raw: Mapping[str, Any]) -> JobParams:
 
 
 def validate_params(kind: str, raw: Mapping[str, Any], ctx: ResolveContext) -> JobParams:
-    """Decode and resolve; the result is what gets stored and run."""
-    params = decode_params(kind, raw)
+    """Decode and resolve; the result is what gets stored and run. Test-only
+    kinds are unknown here unless ``ctx.test_kinds``."""
+    params = decode_params(kind, raw, include_test=ctx.test_kinds)
     params.resolve(ctx)
     return params
 

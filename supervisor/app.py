@@ -45,9 +45,10 @@ from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
 from supervisor.lab.lease import GpuLease, detect_devices
 from supervisor.lab.runner import JobRunner, RunnerSettings
-from supervisor.lab.store import JOBS_SCHEMA, JobStore
+from supervisor.lab.store import JOBS_OWNER_SCHEMA, JOBS_SCHEMA, JobStore
 from supervisor.models.library import ModelLibrary
 from supervisor.models.source import LibrarySource, ensure_demo_model
+from supervisor.responses.store import RESPONSES_OWNER_SCHEMA
 from supervisor.workers.engine_check import EngineCheck
 from supervisor.workers.handle import Timing
 from supervisor.workers.pool import WorkerPool
@@ -57,7 +58,8 @@ log = logging.getLogger("gpuvisor.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Database migrations, in order; only ever append.
-MIGRATIONS = [JOBS_SCHEMA, responses.RESPONSES_SCHEMA, auth.AUTH_SCHEMA, responses.RESPONSE_EVENTS_SCHEMA]  # append only
+MIGRATIONS = [JOBS_SCHEMA, responses.RESPONSES_SCHEMA, auth.AUTH_SCHEMA, responses.RESPONSE_EVENTS_SCHEMA,
+              JOBS_OWNER_SCHEMA, RESPONSES_OWNER_SCHEMA]  # append only
 
 
 @web.middleware
@@ -161,7 +163,8 @@ async def lab_ctx(app: web.Application) -> AsyncIterator[None]:
     app[JOB_STORE] = runner.store
     app[JOB_RUNNER] = runner
     app[JOB_SETTINGS] = routes_jobs.JobSettings(
-        roots, max_upload_bytes=cfg.max_upload_bytes, model_lookup=source.resolve)
+        roots, max_upload_bytes=cfg.max_upload_bytes, model_lookup=source.resolve,
+        test_job_kinds=cfg.test_job_kinds)
     await runner.start()
     for model_id in preload_list(cfg, source):
         try:
@@ -183,8 +186,11 @@ def preload_list(cfg: Config, models: LibrarySource) -> list[str]:
 
 async def healthz(request: web.Request) -> web.Response:
     pool = request.app[POOL]
-    return json_response({"status": "ok", "uptime_s": round(time.time() - request.app[STARTED_AT], 1),
-                          "workers": pool.workers()})
+    workers = pool.workers()
+    # Alive either way (200): a failed model is "degraded", not a dead process.
+    status = "degraded" if any(w["state"] == "failed" for w in workers) else "ok"
+    return json_response({"status": status, "uptime_s": round(time.time() - request.app[STARTED_AT], 1),
+                          "workers": workers})
 
 
 async def readyz(request: web.Request) -> web.Response:

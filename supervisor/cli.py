@@ -147,6 +147,25 @@ async def _end_task(task: asyncio.Task[None] | None) -> None:
         log.error("%s had failed: %r", task.get_name(), result)
 
 
+def auth_off_problem(cfg: Config) -> str | None:
+    """Why ``auth = "off"`` on a non-loopback address is refused at start:
+    keys or an admin token configured beside it do not protect anything then
+    (the exposure check alone would let it start, to refuse every request)."""
+    if cfg.auth != "off" or service_cli.is_loopback(cfg.host) or cfg.allow_unauthenticated:
+        return None
+    return (f'refusing to listen on {cfg.host} with auth = "off": anyone who can reach it could run '
+            'models and jobs; remove auth = "off" (and configure a key), keep host = 127.0.0.1, or on a '
+            "network you trust completely set allow_unauthenticated = true")
+
+
+def auth_off_warning(cfg: Config) -> str | None:
+    """One line for an allowed ``auth = "off"`` on a non-loopback address."""
+    if cfg.auth != "off" or service_cli.is_loopback(cfg.host):
+        return None
+    return (f'authentication is off (auth = "off") and the service listens on {cfg.host}: anyone who '
+            "can reach it can use it (allow_unauthenticated = true)")
+
+
 _CONFIG_FIELDS = {f.name for f in msgspec.structs.fields(Config)}
 
 
@@ -173,10 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logs.configure(cfg.log_level, cfg.log_format, [cfg.admin_token, cfg.hf_token])
     if args.command == "serve":
-        problem = service_cli.exposure_problem(cfg)
+        problem = auth_off_problem(cfg) or service_cli.exposure_problem(cfg)
         if problem is not None:
             print(f"gpuvisor: {problem}", file=sys.stderr)
             return 2
+        warning = auth_off_warning(cfg)
+        if warning is not None:
+            print(f"gpuvisor: warning: {warning}", file=sys.stderr, flush=True)
         return uvloop.run(serve(cfg))
     return service_cli.run(args, cfg)
 

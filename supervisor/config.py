@@ -140,6 +140,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     job_retention_days: float = 14.0
     drain_timeout: float = 30.0
     max_upload_bytes: int = 1 << 30
+    # For tests only: offer the test-only job kinds (``sleep``) in the API.
+    test_job_kinds: bool = False
     # Running as a service: auth, proxies, logs (supervisor/auth.py, proxies.py, logs.py)
     admin_token: str = ""  # plain, or a scrypt$ hash from `gpuvisor keys admin-token`
     api_keys: list[str] = []  # "NAME:ID:scrypt$..." from `gpuvisor keys add NAME --print-config`

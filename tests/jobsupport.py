@@ -12,7 +12,7 @@ from jobs.params import Roots
 from supervisor.db import Database
 from supervisor.lab.lease import GpuLease, cpu_device
 from supervisor.lab.runner import JobRunner, RunnerSettings
-from supervisor.lab.store import JOBS_SCHEMA, Job, JobStore
+from supervisor.lab.store import JOBS_MIGRATIONS, Job, JobStore
 
 
 class FakeClock:
@@ -32,7 +32,7 @@ def make_roots(base: Path) -> Roots:
 
 @asynccontextmanager
 async def open_store(path: Path, clock: FakeClock | None = None) -> AsyncIterator[JobStore]:
-    db = Database(path, [JOBS_SCHEMA])
+    db = Database(path, JOBS_MIGRATIONS)
     await db.open()
     try:
         yield JobStore(db, clock) if clock is not None else JobStore(db)

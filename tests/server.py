@@ -31,6 +31,8 @@ FAST_ENV = {
     "GPUVISOR_N_THREADS": "1",
     "GPUVISOR_WRITE_DEMO_MODEL": "false",
     "GPUVISOR_SHUTDOWN_TIMEOUT": "5",
+    # The sleep job kind, which many tests run.
+    "GPUVISOR_TEST_JOB_KINDS": "1",
 }
 
 

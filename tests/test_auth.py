@@ -166,7 +166,7 @@ def test_status_command(secured: Server, tmp_path: Path) -> None:
 
 async def test_config_keys_and_hashed_admin_token() -> None:
     key_id, key = new_api_key()
-    admin = "gva_some-admin-token-value"
+    admin = "gva_" + new_api_key()[1][3:]  # as `gpuvisor keys admin-token` makes it
     gate = Auth(None, parse_config_keys([f"lab:{key_id}:{hash_secret(key)}"]), hash_secret(admin))
     assert await gate.enabled()
     assert await gate.identify_bearer(key) == Principal("lab", "user")
@@ -174,6 +174,9 @@ async def test_config_keys_and_hashed_admin_token() -> None:
     assert await gate.identify_bearer(admin) == Principal("admin", "admin")
     assert await gate.identify_bearer(key + "x") is None
     assert await gate.identify_bearer(admin + "x") is None
+    # A hashed admin token is checked only against tokens of its shape.
+    hand_made = "gva_some-admin-token-value"
+    assert await Auth(None, {}, hash_secret(hand_made)).identify_bearer(hand_made) is None
     open_gate = Auth(None, {}, "")
     assert not await open_gate.enabled()
 

@@ -112,8 +112,10 @@ class Killer:
 
 
 def _prompt(rng: random.Random) -> str:
-    # Some prompts are long so that kills also land during prefill.
-    return "tell me a story " * (rng.choice([1, 1, 120]))
+    # Some prompts are long so that kills also land during prefill. Each is
+    # its own: the same prompt in flight at two kills would be refused as a
+    # poison request, which these kills from outside are not.
+    return "tell me a story " * (rng.choice([1, 1, 120])) + f"#{rng.getrandbits(32)}"
 
 
 def _stream_chat(base: str, model: str, rng: random.Random) -> StreamResult:

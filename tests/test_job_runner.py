@@ -13,6 +13,7 @@ import psutil
 
 from jobs.context import EXIT_STOPPED
 from supervisor.lab.job_process import EventFramer, group_alive
+from supervisor.lab.store import JOBS_MIGRATIONS
 from tests.jobsupport import open_store, running_lab, wait_finished, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -207,6 +208,6 @@ def test_framer_survives_garbage_and_long_lines() -> None:
 
 async def test_store_reopens_cleanly(tmp_path: Path) -> None:
     async with open_store(tmp_path / "db.sqlite") as store:
-        assert await store.db.user_version() == 1
+        assert await store.db.user_version() == len(JOBS_MIGRATIONS)
     async with open_store(tmp_path / "db.sqlite") as store:
         assert await store.db.integrity_ok()

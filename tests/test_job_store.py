@@ -14,9 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from supervisor.db import Database
 from supervisor.errors import Conflict, NotFound
 from supervisor.lab.job_process import kill_leftover_group
-from supervisor.lab.store import JOBS_SCHEMA
+from supervisor.lab.store import JOBS_MIGRATIONS, JOBS_SCHEMA, JobStore
 from tests.jobsupport import FakeClock, open_store
 
 
@@ -208,3 +209,30 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+async def test_owner_column_migrates_and_filters(tmp_path: Path) -> None:
+    path = tmp_path / "gv.db"
+    # A database from before the owner column: its jobs have no owner.
+    old = Database(path, [JOBS_SCHEMA])
+    await old.open()
+    async with old.write() as conn:
+        await conn.execute("INSERT INTO jobs (id, kind, status, params, created_at, unique_key) "
+                           "VALUES ('job_before', 'sleep', 'succeeded', '{}', 1.0, 'k')")
+    await old.close()
+    db = Database(path, JOBS_MIGRATIONS)
+    await db.open()
+    try:
+        store = JobStore(db)
+        assert (await store.get("job_before")).owner is None
+        a, _ = await store.submit("sleep", {"tag": "a"}, owner="key_a")
+        b, _ = await store.submit("sleep", {"tag": "b"}, owner="key_b")
+        assert a.owner == "key_a"
+        assert [j.id for j in (await store.list_jobs(owner="key_a")).jobs] == [a.id]
+        assert [j.id for j in (await store.list_jobs()).jobs] == [b.id, a.id, "job_before"]
+        # Deduplication spans owners; the route refuses to show another key's job.
+        again, created = await store.submit("sleep", {"tag": "a"}, owner="key_b")
+        assert not created and again.id == a.id and again.owner == "key_a"
+        assert "pid" in a.to_api() and not {"pid", "pgid", "log_path"} & set(a.to_api(admin=False))
+    finally:
+        await db.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -13,8 +14,10 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from jobs.params import job_kinds
+from supervisor.api import schema as routes_schema
 from supervisor.api.io import error_response
-from supervisor.api.jobs import JobSettings, add_routes
+from supervisor.api.jobs import JobSettings, _dataset_files, add_routes
 from supervisor.appkeys import CONFIG, JOB_RUNNER, JOB_SETTINGS, JOB_STORE, LEASE
 from supervisor.config import Config
 from supervisor.errors import ApiError
@@ -39,8 +42,10 @@ async def lab_server(base: Path, **settings: Any) -> AsyncIterator[tuple[Lab, st
         app[JOB_STORE] = lab.store
         app[JOB_RUNNER] = lab.runner
         app[LEASE] = lab.lease
+        settings.setdefault("test_job_kinds", True)  # most tests here run the sleep kind
         app[JOB_SETTINGS] = JobSettings(lab.roots, **settings)
         add_routes(app)
+        routes_schema.add_routes(app)
         server = TestServer(app, host="127.0.0.1", port=0)
         await server.start_server()
         try:
@@ -205,3 +210,113 @@ async def test_upload_then_dataset_job(tmp_path: Path) -> None:
         assert result["rows"]["train"] == 18 and result["rows"]["eval"] == 2
         templates = await (await http.get(f"{url}/api/dataset/templates")).json()
         assert {t["format"] for t in templates["data"]} == {"alpaca", "sharegpt", "messages", "text"}
+
+
+async def test_sleep_kind_needs_the_test_setting(tmp_path: Path) -> None:
+    async with lab_server(tmp_path, test_job_kinds=False) as (_lab, url), aiohttp.ClientSession() as http:
+        r = await http.post(f"{url}/api/jobs", json={"kind": "sleep", "params": {"steps": 1}})
+        err = (await r.json())["error"]
+        assert r.status == 400 and err["param"] == "kind"
+        assert "sleep" not in err["message"].partition("known:")[2]  # nor among the known kinds
+        assert (await (await http.get(f"{url}/api/jobs")).json())["data"] == []
+        schema = await (await http.get(f"{url}/api/jobs/schema")).json()
+        assert "sleep" not in {k["kind"] for k in schema["data"]}
+        assert {"finetune", "dataset"} <= {k["kind"] for k in schema["data"]}
+
+
+async def test_schema_route_says_which_kinds_are_available(tmp_path: Path) -> None:
+    async with lab_server(tmp_path) as (_lab, url), aiohttp.ClientSession() as http:
+        body = await (await http.get(f"{url}/api/jobs/schema")).json()
+    kinds = {k["kind"]: k for k in body["data"]}
+    assert "sleep" in kinds  # this server has test_job_kinds on
+    for k in kinds.values():
+        assert isinstance(k["available"], bool) and isinstance(k["unavailable_reason"], str)
+        assert k["available"] == (k["unavailable_reason"] == "")
+    # The test machine has the train extra.
+    assert kinds["finetune"]["available"] is True
+    assert all(k["available"] for k in kinds.values())
+
+
+def test_kind_schema_without_the_train_extra() -> None:
+    body = routes_schema.all_schemas(missing_train=["torch", "peft"])
+    kinds = {k["kind"]: k for k in body["data"]}
+    assert kinds["finetune"]["available"] is False
+    assert "torch, peft" in kinds["finetune"]["unavailable_reason"]
+    assert "gpuvisor[train]" in kinds["finetune"]["unavailable_reason"]
+    # Kinds that do not train stay available.
+    for name in ("download", "export", "dataset", "quantize"):
+        assert kinds[name]["available"] is True and kinds[name]["unavailable_reason"] == ""
+    assert set(kinds) == set(job_kinds())
+
+
+async def test_list_datasets(tmp_path: Path) -> None:
+    async with lab_server(tmp_path) as (lab, url), aiohttp.ClientSession() as http:
+        empty = await (await http.get(f"{url}/api/datasets")).json()
+        assert empty == {"object": "list", "data": []}
+        d = lab.roots.datasets
+        (d / "old.jsonl").write_text("{}\n")
+        (d / "new.csv").write_text("a,b\n1,2\n")
+        os.utime(d / "old.jsonl", (1_600_000_000, 1_600_000_000))
+        (d / ".upload-abc.tmp").write_text("in progress")
+        (d / "sub").mkdir()
+        secret = tmp_path / "secret.jsonl"
+        secret.write_text("outside\n")
+        (d / "link.jsonl").symlink_to(secret)
+        body = await (await http.get(f"{url}/api/datasets")).json()
+        assert body["object"] == "list"
+        # Regular files only, newest first: no hidden, directory or symlink entries.
+        assert [f["name"] for f in body["data"]] == ["new.csv", "old.jsonl"]
+        assert body["data"][0]["bytes"] == len("a,b\n1,2\n")
+        assert body["data"][1] == {"name": "old.jsonl", "bytes": 3, "modified": 1_600_000_000}
+
+
+def test_dataset_listing_is_bounded(tmp_path: Path) -> None:
+    for i in range(5):
+        (tmp_path / f"d{i}.jsonl").write_text("x")
+        os.utime(tmp_path / f"d{i}.jsonl", (1_600_000_000 + i, 1_600_000_000 + i))
+    assert [f["name"] for f in _dataset_files(tmp_path, 2)] == ["d4.jsonl", "d3.jsonl"]
+
+
+async def _raw_upload(url: str, body: bytes, boundary: str) -> tuple[int, dict[str, Any]]:
+    """POST /api/datasets with exactly ``body`` (Content-Length matches it)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = (f"POST /api/datasets HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: multipart/form-data; boundary={boundary}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    writer.write(head + body)
+    await writer.drain()
+    raw = await reader.read()
+    writer.close()
+    status_line, _, rest = raw.partition(b"\r\n")
+    payload = rest.partition(b"\r\n\r\n")[2]
+    return int(status_line.split()[1]), json.loads(payload)
+
+
+def _part(boundary: str, filename: str, data: bytes) -> bytes:
+    return (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n").encode() + data
+
+
+async def test_truncated_or_empty_upload_is_refused(tmp_path: Path) -> None:
+    b = "gvBoundary42"
+    rows = b'{"instruction": "q", "output": "a"}\n' * 3
+    async with lab_server(tmp_path) as (lab, url):
+        # Cut off inside the file's data, before any closing boundary.
+        status, body = await _raw_upload(url, _part(b, "cut.jsonl", rows[:-10]), b)
+        assert status == 400 and body["error"]["param"] == "file", body
+        # Cut off right after the headers of the part: no data at all.
+        status, body = await _raw_upload(url, _part(b, "cut0.jsonl", b""), b)
+        assert status == 400 and body["error"]["param"] == "file", body
+        # The file part ends, but the closing boundary never comes.
+        status, body = await _raw_upload(url, _part(b, "cut2.jsonl", rows) + f"\r\n--{b}".encode(), b)
+        assert status == 400 and body["error"]["param"] == "file", body
+        # A complete body with an empty file.
+        status, body = await _raw_upload(url, _part(b, "empty.jsonl", b"") + f"\r\n--{b}--\r\n".encode(), b)
+        assert status == 400 and "empty" in body["error"]["message"], body
+        assert list(lab.roots.datasets.iterdir()) == []
+        # The same bodies, complete, are stored.
+        status, body = await _raw_upload(url, _part(b, "ok.jsonl", rows) + f"\r\n--{b}--\r\n".encode(), b)
+        assert status == 201 and body == {"name": "ok.jsonl", "bytes": len(rows)}, body
+        assert (lab.roots.datasets / "ok.jsonl").read_bytes() == rows
+        assert [p.name for p in lab.roots.datasets.iterdir()] == ["ok.jsonl"]

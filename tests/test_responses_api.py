@@ -510,6 +510,7 @@ async def test_prune_once_follows_retention_and_clock(tmp_path: Path) -> None:
     await db.open()
     try:
         store = ResponseStore(db)
+        await store.ensure_schema()  # the later responses migrations (events, owner)
         now = 1_000_000.0
         tasks = BackgroundTasks(store, retention_s=100, clock=lambda: now)
         req = CreateRequest(model=MODEL, input="x")

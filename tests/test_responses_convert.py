@@ -78,7 +78,9 @@ def test_output_without_matching_call_names_the_field() -> None:
     [
         ([{"type": "function_call_output", "output": "x"}], "input[0].call_id"),
         ([{"role": "user", "content": "a"}, {"type": "bogus"}], "input[1].type"),
-        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0].type"),
+        ([{"role": "user", "content": [{"type": "input_video", "video_url": "x"}]}], "input[0].content[0].type"),
+        # An image part is known: its URL is what is wrong.
+        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0]"),
         ([{"role": "robot", "content": "a"}], "input[0].role"),
         ([{"type": "function_call", "call_id": "c", "arguments": "{}"}], "input[0].name"),
         (["just a string"], "input[0]"),

@@ -192,21 +192,25 @@ def test_auth_off_is_the_explicit_switch(start_server: Callable[..., Server]) ->
 
 
 def test_open_service_on_a_public_address_is_refused(start_server: Callable[..., Server]) -> None:
-    # The start-up check sees a stored key; auth = "off" then leaves the
-    # address open: every request is refused instead of served.
+    # A stored key does not protect anything with auth = "off": the start-up
+    # check refuses the public address in one line, before listening.
     state = short_tempdir("gv")
     assert gpuvisor(state, "keys", "add", "k").returncode == 0
-    srv = Server(short_tempdir("gvm"), state_dir=state, env={"GPUVISOR_AUTH": "off"},
-                 args=["--host", "0.0.0.0"])
-    with running(srv):
-        for path in ("/v1/models", "/healthz", "/api/jobs"):
-            r = httpx.get(srv.base_url + path)
-            assert r.status_code == 503, (path, r.text)
-            assert r.json()["error"]["code"] == "authentication_not_configured"
-            assert "allow_unauthenticated" in r.json()["error"]["message"]
+    srv = Server(short_tempdir("gvm"), state_dir=state, env={"GPUVISOR_AUTH": "off"})
+    refused = subprocess.run(
+        [sys.executable, "-m", "supervisor", "serve", "--host", "0.0.0.0", "--port", "0",
+         "--state-dir", str(state), "--models-dir", str(srv.models_dir)],
+        capture_output=True, text=True, cwd=REPO, timeout=60, check=False, env=srv.env())
+    assert refused.returncode == 2, refused.stderr
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and 'auth = "off"' in lines[0] and "allow_unauthenticated" in lines[0], lines
+    assert "listening" not in refused.stdout
+    # Allowed explicitly: it serves, and says so in one warning line at start.
     with running(Server(short_tempdir("gvm"), state_dir=state, args=["--host", "0.0.0.0"],
                         env={"GPUVISOR_AUTH": "off", "GPUVISOR_ALLOW_UNAUTHENTICATED": "true"})) as srv:
         assert httpx.get(srv.base_url + "/v1/models").status_code == 200
+        warnings = [ln for ln in srv.log_text().splitlines() if ln.startswith("gpuvisor: warning:")]
+        assert len(warnings) == 1 and "authentication is off" in warnings[0] and "0.0.0.0" in warnings[0]
 
 
 async def test_auth_on_requires_a_key_from_the_start() -> None:

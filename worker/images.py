@@ -10,7 +10,14 @@ valid header and a corrupt body is still refused by the engine, and
 
 from __future__ import annotations
 
-from worker.protocol import MAX_IMAGE_BYTES, MAX_IMAGES, Error, Generate, ImagePart, MEDIA_MARKER
+from worker.protocol import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGES,
+    MEDIA_MARKER,
+    Error,
+    Generate,
+    ImagePart,
+)
 
 
 class ImageError(Exception):

@@ -8,9 +8,12 @@
   no known id (or of no known shape) is refused without hashing.
 - An admin token for ``/api/*`` mutations and the UI (bearer, or a session
   cookie set by ``POST /login``). Without an admin token, API keys are admins.
-  A hashed admin token is checked only against ``gva_`` tokens (the shape
-  ``gpuvisor keys admin-token`` makes), and once verified, only against
-  tokens with its id.
+  A hashed admin token is checked only against tokens of its shape
+  (``gva_<id>_<secret>``, made by ``gpuvisor keys admin-token``) and with its
+  id: the hash carries the token's public id (``scrypt$...$<id>``), so an
+  unknown admin-shaped token costs no scrypt either. A hash of the older form
+  (no id) is checked against any admin-shaped token until the first success
+  (each failure spends the client's budget), then only against its id.
 - Failed authentications are budgeted per client address (``auth_failure_*``):
   over budget, 429 with Retry-After, and nothing is hashed for that client.
 - ``/healthz``, ``/readyz`` and ``/login`` stay open; with authentication on,
@@ -34,9 +37,10 @@ import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
@@ -57,6 +61,14 @@ from supervisor.errors import (
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Role = Literal["user", "admin"]
+# Request key: the API key id whose own stored objects the caller may use; None = all.
+SCOPE = "auth_scope"
+
+
+def request_scope(request: web.Request) -> str | None:
+    """The key id a request is scoped to (a user key), or None (admin, or auth off)."""
+    scope = request.get(SCOPE)
+    return scope if isinstance(scope, str) else None
 
 AUTH_SCHEMA = [
     (
@@ -136,14 +148,24 @@ class OpenlyExposed(ApiError):
 
 
 def hash_secret(secret: str, salt: bytes | None = None) -> str:
+    """``scrypt$N$r$p$salt$digest``; for an admin token, ``$<its id>`` follows
+    (public, like a key's id: it lets a wrong token be refused unhashed)."""
     salt = salt or secrets.token_bytes(16)
     digest = hashlib.scrypt(secret.encode(), salt=salt, n=_SCRYPT_N, r=_SCRYPT_R, p=_SCRYPT_P, dklen=32)
-    return f"scrypt${_SCRYPT_N}${_SCRYPT_R}${_SCRYPT_P}${salt.hex()}${digest.hex()}"
+    hashed = f"scrypt${_SCRYPT_N}${_SCRYPT_R}${_SCRYPT_P}${salt.hex()}${digest.hex()}"
+    admin_id = key_id_of(secret, ADMIN_PREFIX)
+    return hashed if admin_id is None else f"{hashed}${admin_id}"
+
+
+def hashed_id(stored: str) -> str | None:
+    """The public id a hash carries (admin tokens hashed since ids were added)."""
+    parts = stored.split("$")
+    return parts[6] if len(parts) == 7 else None
 
 
 def verify_secret(secret: str, stored: str) -> bool:
     parts = stored.split("$")
-    if len(parts) != 6 or parts[0] != "scrypt" or not all(p.isdigit() for p in parts[1:4]):
+    if len(parts) not in (6, 7) or parts[0] != "scrypt" or not all(p.isdigit() for p in parts[1:4]):
         return False
     n, r, p = (int(x) for x in parts[1:4])
     try:
@@ -299,6 +321,8 @@ class FailureLimiter:
 class Principal:
     name: str
     role: Role
+    # The API key's public id (None for the admin): what a user's stored responses belong to.
+    key_id: str | None = field(default=None, compare=False)
 
 
 ADMIN = Principal("admin", "admin")
@@ -336,7 +360,10 @@ class Auth:
         self.failures = failures or FailureLimiter(clock=clock)
         self._verified: dict[str, bytes] = {}  # key id (or "admin") -> sha256 of the presented secret
         self._sessions: dict[str, float] = {}  # session id -> expiry
-        self._admin_id: str | None = None  # the hashed admin token's id, once verified
+        # The hashed admin token's id: carried by its hash, else learnt at its first success.
+        self._admin_id: str | None = hashed_id(admin_token) if admin_token.startswith("scrypt$") else None
+        # scrypt verifications made: a test reads it to see what a token cost.
+        self.hash_checks = 0
         self._enabled_at = -enabled_ttl
         self._db_keys_ever = False
         self._active_at = -enabled_ttl
@@ -381,10 +408,11 @@ class Auth:
         return hmac.compare_digest(_digest(token), _digest(self.admin_token))
 
     def _admin_candidate(self, token: str) -> _Candidate | None:
-        if not self.admin_token.startswith("scrypt$") or not token.startswith(ADMIN_PREFIX):
-            return None
-        if self._admin_id is not None and key_id_of(token, ADMIN_PREFIX) != self._admin_id:
-            return None  # not the admin token we verified before: no scrypt for it
+        token_id = key_id_of(token, ADMIN_PREFIX)
+        if not self.admin_token.startswith("scrypt$") or token_id is None:
+            return None  # not of the admin token's shape: no scrypt for it
+        if self._admin_id is not None and token_id != self._admin_id:
+            return None  # not the admin token's id: no scrypt for it
         return _Candidate("admin", self.admin_token, ADMIN)
 
     async def _candidate(self, token: str) -> _Candidate | None:
@@ -396,7 +424,8 @@ class Auth:
             record = await self.store.lookup(key_id)
         if record is None:
             return None  # an id nobody holds: refused without hashing
-        return _Candidate(key_id, record.hash, Principal(record.name, "user" if self.admin_token else "admin"))
+        return _Candidate(key_id, record.hash,
+                          Principal(record.name, "user" if self.admin_token else "admin", key_id))
 
     def _failed(self, client: str) -> None:
         self.failures.check(client)  # over budget: 429 rather than 401
@@ -412,6 +441,7 @@ class Auth:
         if known is not None and hmac.compare_digest(known, digest):
             return candidate.who  # verified before: no hashing, and no budget needed
         self.failures.check(client)
+        self.hash_checks += 1
         if not await asyncio.to_thread(verify_secret, token, candidate.stored):
             self._failed(client)
             return None
@@ -501,8 +531,9 @@ class Auth:
         if who is not None:
             return resp
         ok = resp.status < 400
-        body = {"ready": ok} if request.path == "/readyz" else {"status": "ok" if ok else "error"}
-        return json_response(body, status=resp.status)
+        if request.path == "/readyz":
+            return json_response({"ready": ok}, status=resp.status)
+        return json_response({"status": _health_word(resp) if ok else "error"}, status=resp.status)
 
     def _refuse_exposed(self) -> OpenlyExposed:
         if self.mode == "off":
@@ -542,9 +573,26 @@ class Auth:
             if need == "admin" and who.role != "admin":
                 raise Forbidden(f"key {who.name!r} may not do this: it needs the admin token")
             request["auth_name"] = who.name
+            # A user key sees only what it stored (responses); the admin sees all.
+            request[SCOPE] = who.key_id if who.role == "user" else None
             return await handler(request)
 
         return middleware
+
+
+def _health_word(resp: web.StreamResponse) -> str:
+    """/healthz's own one-word status ("ok", or "degraded" while a model has
+    failed), the only part of its body an anonymous caller may see."""
+    body = resp.body if isinstance(resp, web.Response) else None
+    if isinstance(body, bytes):
+        word = msgspec.json.decode(body, type=_HealthWord).status
+        if word in ("ok", "degraded"):
+            return word
+    return "ok"
+
+
+class _HealthWord(msgspec.Struct):
+    status: str = "ok"
 
 
 # ---------------------------------------------------------------- login page

@@ -1,5 +1,9 @@
-"""HTTP routes of the lab: jobs, their events (SSE) and logs, dataset uploads,
-dataset templates and the GPU lease snapshot.
+"""HTTP routes of the lab: jobs, their events (SSE) and logs, dataset uploads
+and listing, dataset templates and the GPU lease snapshot.
+
+Jobs are scoped to the key that submitted them: a user key sees only its own
+(another key's job is 404) and never a job's process facts (pid, log path);
+admins, and everyone with authentication off, see every job in full.
 
 The app must hold :data:`JOB_STORE`, :data:`JOB_RUNNER`, :data:`LEASE` and
 :data:`JOB_SETTINGS`; handlers raise :mod:`supervisor.errors` classes and the
@@ -9,6 +13,7 @@ app's middleware renders them.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import os
 import re
 import secrets
@@ -18,11 +23,12 @@ from typing import Annotated, Any
 from urllib.parse import unquote
 
 import msgspec
-from aiohttp import BodyPartReader, web
+from aiohttp import BodyPartReader, MultipartReader, web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from jobs.formats import FILE_TYPES, TEMPLATES
 from jobs.params import ModelLookup, ResolveContext, Roots, validate_params
+from supervisor.api.auth import key_id_of
 from supervisor.api.io import (
     SseWriter,
     decode_body,
@@ -30,15 +36,32 @@ from supervisor.api.io import (
     json_response,
     read_body,
 )
-from supervisor.appkeys import ENGINE_CHECK, JOB_RUNNER, JOB_SETTINGS, JOB_STORE, LEASE
-from supervisor.errors import BadRequest, PayloadTooLarge
-from supervisor.lab.hub import Subscription
-from supervisor.lab.store import FINISHED, JobStore
+from supervisor.appkeys import (
+    AUTH,
+    ENGINE_CHECK,
+    JOB_RUNNER,
+    JOB_SETTINGS,
+    JOB_STORE,
+    LEASE,
+)
+from supervisor.errors import (
+    BadRequest,
+    Conflict,
+    NotFound,
+    PayloadTooLarge,
+    Unauthorized,
+)
+from supervisor.lab.hub import StoredEvent, Subscription
+from supervisor.lab.store import FINISHED, Job, JobStore
 from supervisor.workers.engine_check import EngineBuild
 
 UPLOAD_SUFFIXES = frozenset({".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".txt", ".text", ".parquet"})
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _STATUSES = frozenset({"queued", "running", *FINISHED})
+# GET /api/datasets lists at most this many files, the newest first.
+MAX_LISTED_DATASETS = 1000
+# Event fields that are process facts of the machine: for admins only.
+_ADMIN_EVENT_FIELDS = ("pid", "log_path")
 
 
 @dataclass(frozen=True)
@@ -50,8 +73,8 @@ class JobSettings:
     log_max_bytes: int = 1 << 20
     # Maps a model id from /v1/models to its GGUF file (the model library).
     model_lookup: ModelLookup | None = None
-
-
+    # Offer the test-only job kinds (the test_job_kinds setting).
+    test_job_kinds: bool = False
 
 
 class SubmitBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -70,6 +93,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/jobs/{id}/resume", resume_job)
     app.router.add_delete("/api/jobs/{id}", delete_job)
     app.router.add_post("/api/datasets", upload_dataset)
+    app.router.add_get("/api/datasets", list_datasets)
     app.router.add_get("/api/dataset/templates", dataset_templates)
     app.router.add_get("/api/gpu", gpu_state)
 
@@ -77,12 +101,59 @@ def add_routes(app: web.Application) -> None:
 # ------------------------------------------------------------------ jobs
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Whose jobs a request may see, and the owner recorded on jobs it submits."""
+
+    # Key id, "admin" (admin token or session), or None with authentication off.
+    owner: str | None
+    # Admins and everyone with authentication off see every job.
+    sees_all: bool
+
+    def may_see(self, job: Job) -> bool:
+        return self.sees_all or (self.owner is not None and job.owner == self.owner)
+
+    def view(self, job: Job) -> dict[str, Any]:
+        return job.to_api(admin=self.sees_all)
+
+
+async def caller(request: web.Request) -> Caller:
+    # The auth middleware names every principal it admits; no name: auth is off.
+    if "auth_name" not in request:
+        return Caller(None, True)
+    # Verified by the middleware already: this is a cache hit, not a second scrypt.
+    who = await request.app[AUTH].identify(request)
+    if who is None:
+        raise Unauthorized("the key is no longer valid")
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    key_id = key_id_of(token.strip()) if scheme.lower() == "bearer" else None
+    if who.role == "admin":
+        return Caller(key_id or "admin", True)
+    if key_id is None:  # a user principal comes only from an API key
+        raise Unauthorized("the key is no longer valid")
+    return Caller(key_id, False)
+
+
+async def _visible_job(request: web.Request, who: Caller) -> Job:
+    """The job in the path; another key's job is 404, as a missing one is."""
+    job_id = request.match_info["id"]
+    job = await request.app[JOB_STORE].get(job_id)
+    if not who.may_see(job):
+        raise NotFound(f"no job with id {job_id!r}", param="id")
+    return job
+
+
 async def submit_job(request: web.Request) -> web.Response:
     body = await decode_body(request, SubmitBody)
+    who = await caller(request)
     settings = request.app[JOB_SETTINGS]
-    params = validate_params(body.kind, body.params, ResolveContext(settings.roots, settings.model_lookup))
-    job, created = await request.app[JOB_RUNNER].submit(body.kind, params, body.priority)
-    return json_response(job.to_api(), status=201 if created else 200)
+    ctx = ResolveContext(settings.roots, settings.model_lookup, test_kinds=settings.test_job_kinds)
+    params = validate_params(body.kind, body.params, ctx)
+    job, created = await request.app[JOB_RUNNER].submit(body.kind, params, body.priority, who.owner)
+    if not who.may_see(job):
+        # Deduplicated onto another key's job: say so without showing it.
+        raise Conflict("an identical job is already queued or running")
+    return json_response(who.view(job), status=201 if created else 200)
 
 
 def _int_query(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
@@ -103,20 +174,22 @@ async def list_jobs(request: web.Request) -> web.Response:
     bad = [s for s in statuses if s not in _STATUSES]
     if bad:
         raise BadRequest(f"unknown status {bad[0]!r}", param="status")
+    who = await caller(request)
     page = await request.app[JOB_STORE].list_jobs(
         status=statuses,
         kind=request.query.get("kind") or None,
         limit=_int_query(request, "limit", 50, 1, 500),
         cursor=request.query.get("cursor") or None,
+        owner=None if who.sees_all else who.owner,
     )
     return json_response(
-        {"object": "list", "data": [j.to_api() for j in page.jobs], "next_cursor": page.next_cursor}
+        {"object": "list", "data": [who.view(j) for j in page.jobs], "next_cursor": page.next_cursor}
     )
 
 
 async def get_job(request: web.Request) -> web.Response:
-    job = await request.app[JOB_STORE].get(request.match_info["id"])
-    return json_response(job.to_api())
+    who = await caller(request)
+    return json_response(who.view(await _visible_job(request, who)))
 
 
 class CancelBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -136,26 +209,32 @@ def _cancel_save(request: web.Request, body: bytes) -> bool:
 
 async def cancel_job(request: web.Request) -> web.Response:
     save = _cancel_save(request, await read_body(request))
-    job = await request.app[JOB_RUNNER].cancel(request.match_info["id"], save=save)
-    return json_response(job.to_api())
+    who = await caller(request)
+    job = await _visible_job(request, who)
+    job = await request.app[JOB_RUNNER].cancel(job.id, save=save)
+    return json_response(who.view(job))
 
 
 async def resume_job(request: web.Request) -> web.Response:
     """A new attempt of an interrupted, cancelled or failed resumable job,
     from its newest complete checkpoint (same job id, events continue)."""
-    job = await request.app[JOB_RUNNER].resume(request.match_info["id"])
-    return json_response(job.to_api())
+    who = await caller(request)
+    job = await _visible_job(request, who)
+    job = await request.app[JOB_RUNNER].resume(job.id)
+    return json_response(who.view(job))
 
 
 async def delete_job(request: web.Request) -> web.Response:
-    job = await request.app[JOB_STORE].delete(request.match_info["id"])
+    who = await caller(request)
+    job = await _visible_job(request, who)
+    job = await request.app[JOB_STORE].delete(job.id)
     if job.log_path:
         Path(job.log_path).unlink(missing_ok=True)
     return json_response({"id": job.id, "object": "job", "deleted": True})
 
 
 async def job_log(request: web.Request) -> web.Response:
-    job = await request.app[JOB_STORE].get(request.match_info["id"])
+    job = await _visible_job(request, await caller(request))
     limit = request.app[JOB_SETTINGS].log_max_bytes
     tail = _int_query(request, "tail", limit, 0, limit)
     data = await asyncio.to_thread(_read_tail, job.log_path, tail) if job.log_path else b""
@@ -188,36 +267,44 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     """Replay events after Last-Event-ID, then stream live ones; ``end`` last."""
     store = request.app[JOB_STORE]
     settings = request.app[JOB_SETTINGS]
-    job_id = request.match_info["id"]
-    await store.get(job_id)  # 404 before the stream starts
+    who = await caller(request)
+    job_id = (await _visible_job(request, who)).id  # 404 before the stream starts
     last = _last_event_id(request)
     # Subscribe before reading the database so no event falls in between.
     with store.hub.subscribe(job_id) as sub:
         sse = await SseWriter.start(request)
         try:
             await sse.raw(b"retry: %d\n\n" % settings.sse_retry_ms)
-            await _stream(sse, store, sub, job_id, last, settings.sse_heartbeat_s)
+            await _stream(sse, store, sub, job_id, last, settings.sse_heartbeat_s, who)
         except ConnectionError:  # the client went away
             return sse.response
     return sse.response
 
 
+def _event_view(e: StoredEvent, who: Caller) -> StoredEvent:
+    if who.sees_all or not any(k in e.data for k in _ADMIN_EVENT_FIELDS):
+        return e
+    data = {k: v for k, v in e.data.items() if k not in _ADMIN_EVENT_FIELDS}
+    return StoredEvent(e.seq, e.time, e.type, data)
+
+
 async def _stream(
-    sse: SseWriter, store: JobStore, sub: Subscription, job_id: str, last: int, heartbeat: float
+    sse: SseWriter, store: JobStore, sub: Subscription, job_id: str, last: int, heartbeat: float,
+    who: Caller,
 ) -> None:
     from_db = True
     while True:
         if from_db:
             batch = await store.events_after(job_id, last, 1000)
             for e in batch:
-                await sse.data(e, event=e.type, id=e.seq)
+                await sse.data(_event_view(e, who), event=e.type, id=e.seq)
                 last = e.seq
             if len(batch) == 1000:
                 continue
             from_db = False
             job = await store.get(job_id)
             if job.finished and last >= job.last_seq:
-                await sse.data(job.to_api(), event="end", id=last)
+                await sse.data(who.view(job), event="end", id=last)
                 return
         if not await sub.wait(heartbeat):
             await sse.comment("keepalive")
@@ -229,7 +316,7 @@ async def _stream(
             if e.seq != last + 1:
                 from_db = True
                 break
-            await sse.data(e, event=e.type, id=e.seq)
+            await sse.data(_event_view(e, who), event=e.type, id=e.seq)
             last = e.seq
         from_db = from_db or lagged or ended
 
@@ -262,22 +349,37 @@ def _claim_name(tmp: Path, directory: Path, name: str) -> str:
     raise BadRequest(f"too many files named like {name}", param="file")
 
 
-async def _file_part(request: web.Request) -> BodyPartReader:
+async def _file_part(request: web.Request) -> tuple[MultipartReader, BodyPartReader]:
     try:
         reader = await request.multipart()
         # Skipping other fields reads them: a malformed body fails here too.
         while (part := await reader.next()) is not None:
             if isinstance(part, BodyPartReader) and part.name == "file":
-                return part
+                return reader, part
             await part.release()
     except (AssertionError, ValueError, KeyError, BadHttpMessage) as exc:
         raise BadRequest(f"expected a multipart/form-data body: {exc}", param="file") from exc
     raise BadRequest("multipart field 'file' is missing", param="file")
 
 
+async def _read_to_end(reader: MultipartReader, part: BodyPartReader) -> None:
+    """The file part ended at its boundary and the body at the closing one:
+    a body cut off early (a dropped connection) is no dataset."""
+    cut = BadRequest("the upload was cut off before the end of the multipart body", param="file")
+    if not part.at_eof():
+        raise cut
+    try:
+        while (rest := await reader.next()) is not None:
+            await rest.release()
+    except (AssertionError, ValueError, KeyError, BadHttpMessage) as exc:
+        raise cut from exc
+    if not reader.at_eof():
+        raise cut
+
+
 async def upload_dataset(request: web.Request) -> web.Response:
     settings = request.app[JOB_SETTINGS]
-    part = await _file_part(request)
+    reader, part = await _file_part(request)
     name = _upload_name(part.filename)
     directory = settings.roots.datasets
     directory.mkdir(parents=True, exist_ok=True)
@@ -285,17 +387,49 @@ async def upload_dataset(request: web.Request) -> web.Response:
     size = 0
     try:
         with tmp.open("wb") as f:
-            while chunk := await part.read_chunk(1 << 16):
-                size += len(chunk)
-                if size > settings.max_upload_bytes:
-                    raise PayloadTooLarge(
-                        f"upload exceeds the limit of {settings.max_upload_bytes} bytes", param="file"
-                    )
-                f.write(chunk)
+            try:
+                while chunk := await part.read_chunk(1 << 16):
+                    size += len(chunk)
+                    if size > settings.max_upload_bytes:
+                        raise PayloadTooLarge(
+                            f"upload exceeds the limit of {settings.max_upload_bytes} bytes", param="file"
+                        )
+                    f.write(chunk)
+            except (AssertionError, ValueError, BadHttpMessage) as exc:
+                raise BadRequest(f"malformed multipart body: {exc}", param="file") from exc
+        await _read_to_end(reader, part)
+        if size == 0:
+            raise BadRequest("the uploaded file is empty", param="file")
         final = _claim_name(tmp, directory, name)
     finally:
         tmp.unlink(missing_ok=True)
     return json_response({"name": final, "bytes": size}, status=201)
+
+
+def _dataset_files(directory: Path, limit: int) -> list[dict[str, Any]]:
+    """Regular files directly in ``directory``, newest first; symlinks and
+    hidden files (uploads in progress) are left out, so nothing outside is shown."""
+    found: list[tuple[float, str, int]] = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed while listing
+                found.append((st.st_mtime, entry.name, st.st_size))
+    except FileNotFoundError:
+        return []
+    newest = heapq.nlargest(limit, found)
+    return [{"name": name, "bytes": size, "modified": round(mtime, 3)} for mtime, name, size in newest]
+
+
+async def list_datasets(request: web.Request) -> web.Response:
+    directory = request.app[JOB_SETTINGS].roots.datasets
+    files = await asyncio.to_thread(_dataset_files, directory, MAX_LISTED_DATASETS)
+    return json_response({"object": "list", "data": files})
 
 
 async def dataset_templates(request: web.Request) -> web.Response:

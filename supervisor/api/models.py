@@ -20,8 +20,24 @@ from supervisor.workers.handle import WorkerState, worker_log_path
 from supervisor.workers.pool import WorkerPool
 
 
+def model_vision(pool: WorkerPool, entry: ModelEntry) -> tuple[bool, str]:
+    """Whether the model takes images, and why not when its projector failed.
+
+    Once its worker said hello this is what the worker reports: true only
+    when the projector loaded. Before that, a linked projector counts (it
+    loads with the model); one that then fails turns this false, with the
+    reason in ``vision_error``.
+    """
+    handle = pool.handles.get((entry.id, False))
+    facts = handle.facts if handle is not None else None
+    if facts is not None:
+        return facts.vision, facts.vision_error
+    return entry.mmproj is not None, ""
+
+
 def describe_model(entry: ModelEntry, pool: WorkerPool) -> dict[str, Any]:
     info = entry.info
+    vision, vision_error = model_vision(pool, entry)
     status = pool.status(entry.id)
     fit = pool.fits.get((entry.id, False))
     state = status["state"] if status else ("unloaded" if entry.usable else "unusable")
@@ -34,6 +50,8 @@ def describe_model(entry: ModelEntry, pool: WorkerPool) -> dict[str, Any]:
         "source": entry.source,
         "repo_id": entry.repo_id,
         "mmproj": entry.mmproj,
+        "vision": vision,
+        "vision_error": vision_error or None,
         "quantization": entry.quantization,
         "architecture": info.architecture if info else None,
         "context_length": info.context_length if info else None,

@@ -22,9 +22,11 @@ import msgspec
 from aiohttp import web
 
 from supervisor.api.io import SseWriter, decode_body, json_response
+from supervisor.api.models import model_vision
 from supervisor.api.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
 from supervisor.appkeys import CONFIG, POOL
 from supervisor.errors import ApiError, BadRequest
+from supervisor.generation.images import Images, no_vision_message, require_vision
 from supervisor.generation.parse import Piece, Reasoning, StreamParser, Text, ToolCall
 from supervisor.generation.profile import profile_for
 from supervisor.responses.items import new_id
@@ -315,20 +317,28 @@ async def _reply(request: web.Request, shape: _Shape, choices: list[_Choice], st
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await decode_body(request, ChatRequest)
-    messages = req.chat_messages()
+    images = Images()
+    messages = req.chat_messages(images)
     params = req.chat_sampling()
     keep_alive = req.keep_alive_s()
     offer = req.tool_offer()
     pool = request.app[POOL]
+    if images.data:
+        # No projector linked: refused before the model loads for nothing.
+        entry = pool.models.entry(req.model)
+        if entry is not None and entry.mmproj is None:
+            raise BadRequest(no_vision_message(req.model), param=images.params[0], code="vision_unavailable")
     # The template decides the tool-call format and whether the model thinks.
     facts = await pool.facts(req.model)
+    require_vision(req.model, images, facts)
     profile = profile_for(facts.chat_template)
     plan = tool_plan(messages, params, profile, tools=offer.functions, choice=offer.choice,
                      parallel=req.parallel_calls, template_vars=profile.template_vars(req.reasoning_effort))
     async with AsyncExitStack() as stack:
         choices = await _admit(stack, pool, req.model, lambda: Reply.of(plan), _choice_params(plan.params, req.n),
                                messages=plan.messages, tools=plan.tools, template_vars=plan.template_vars,
-                               request_id=request.get("request_id", ""), keep_alive=keep_alive)
+                               request_id=request.get("request_id", ""), keep_alive=keep_alive,
+                               images=images.data)
         return await _reply(request, _Shape(True, req.model), choices, req.stream, req.include_usage)
 
 
@@ -368,7 +378,8 @@ async def list_models(request: web.Request) -> web.Response:
         state = status["state"] if status else ("unloaded" if entry.usable else "unusable")
         reason = status["reason"] if status else entry.reason
         data.append({"id": entry.id, "object": "model", "created": int(entry.mtime),
-                     "owned_by": "gpuvisor", "state": state, "reason": reason})
+                     "owned_by": "gpuvisor", "state": state, "reason": reason,
+                     "vision": model_vision(pool, entry)[0]})
     return json_response({"object": "list", "data": data})
 
 

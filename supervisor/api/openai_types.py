@@ -12,6 +12,7 @@ import msgspec
 
 from supervisor.config import parse_duration
 from supervisor.errors import BadRequest
+from supervisor.generation.images import Images
 from supervisor.generation.tools import (
     AllowedTools,
     FunctionTool,
@@ -21,15 +22,24 @@ from supervisor.generation.tools import (
 )
 from supervisor.responses.logprobs import MAX_TOP_LOGPROBS
 from supervisor.responses.models import Effort
-from worker.protocol import ChatMessage, SamplingParams
+from worker.protocol import ChatMessage, ImagePart, SamplingParams, TextPart
+from worker.protocol import ContentPart as WorkerPart
 
 # Choices per request (``n``): each is its own generation, one after another.
 MAX_CHOICES = 8
 
 
+class ImageUrl(msgspec.Struct):
+    url: str
+    # Accepted and ignored: the projector sees every image at its own size.
+    detail: str | None = None
+
+
 class ContentPart(msgspec.Struct):
     type: str
     text: str | None = None
+    # Some clients send the URL itself instead of {"url": ...}.
+    image_url: ImageUrl | str | None = None
 
 
 class ChatCalledFunction(msgspec.Struct):
@@ -190,10 +200,12 @@ class ChatRequest(Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
-    def chat_messages(self) -> list[ChatMessage]:
+    def chat_messages(self, images: Images | None = None) -> list[ChatMessage]:
+        """The messages for the worker; image parts are decoded into ``images``
+        (in order), and refused when ``images`` is None."""
         if not self.messages:
             raise BadRequest("messages must not be empty", param="messages")
-        out = [_to_chat(i, m) for i, m in enumerate(self.messages)]
+        out = [_to_chat(i, m, images) for i, m in enumerate(self.messages)]
         _name_tool_results(out)
         return out
 
@@ -244,16 +256,31 @@ class ChatRequest(Sampling, kw_only=True):
         return params
 
 
-def _to_chat(i: int, m: InMessage) -> ChatMessage:
+def _to_chat(i: int, m: InMessage, images: Images | None) -> ChatMessage:
     content: str | None
+    parts: list[WorkerPart] | None = None
     if isinstance(m.content, list):
         texts = []
+        parts = []
         for j, part in enumerate(m.content):
+            param = f"messages[{i}].content[{j}]"
+            if part.type == "image_url" and images is not None:
+                if m.role != "user":
+                    raise BadRequest("images are accepted in user messages only", param=param)
+                if part.image_url is None:
+                    raise BadRequest("an image_url part needs image_url.url", param=param)
+                url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+                images.add(url, param)
+                parts.append(ImagePart())
+                continue
             if part.type not in ("text", "input_text") or part.text is None:
                 raise BadRequest(f"content part type '{part.type}' is not supported by this model",
-                                 param=f"messages[{i}].content[{j}].type")
+                                 param=f"{param}.type")
             texts.append(part.text)
+            parts.append(TextPart(part.text))
         content = "".join(texts)
+        if not any(isinstance(p, ImagePart) for p in parts):
+            parts = None  # text only: the plain content, as before
     else:
         content = m.content
     if m.role == "tool" and not m.tool_call_id:
@@ -262,7 +289,7 @@ def _to_chat(i: int, m: InMessage) -> ChatMessage:
     role = "system" if m.role == "developer" else m.role
     calls = [msgspec.to_builtins(c) for c in m.tool_calls] if m.tool_calls else None
     return ChatMessage(role=role, content=content, tool_calls=calls,
-                       tool_call_id=m.tool_call_id, name=m.name)
+                       tool_call_id=m.tool_call_id, name=m.name, parts=parts)
 
 
 def _name_tool_results(messages: list[ChatMessage]) -> None:

@@ -149,6 +149,8 @@ ROUTES: tuple[Operation, ...] = (
               form=("multipart/form-data", {"type": "object", "required": ["file"], "properties": {
                   "file": {"type": "string", "format": "binary"}}}),
               ok=201, errors=(400, 413)),
+    Operation("GET", "/api/datasets", "The datasets directory's files (name, bytes, modified), newest first",
+              "jobs"),
     Operation("GET", "/api/dataset/templates", "Dataset templates and accepted file types", "jobs"),
     Operation("GET", "/api/gpu", "The GPU lease: holders and waiters per device", "jobs"),
     # ---------------------------------------------------------- lab: models

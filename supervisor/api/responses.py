@@ -11,6 +11,7 @@ from typing import Literal
 
 from aiohttp import web
 
+from supervisor.api.auth import request_scope
 from supervisor.api.io import SseWriter, decode_body, json_response
 from supervisor.appkeys import RESPONSES
 from supervisor.errors import BadRequest
@@ -31,17 +32,18 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, CreateRequest)
     valid = validate(body)
     service = _service(request)
+    owner = request_scope(request)  # the creating key: only it (and the admin) may use the response
     if body.background:
-        queued = await service.create_background(valid)
+        queued = await service.create_background(valid, owner)
         if body.stream:
             # Following, not owning: a client that leaves does not cancel it.
-            return await _stream(request, service, await service.follow(queued.id, after=-1))
+            return await _stream(request, service, await service.follow(queued.id, after=-1, scope=owner))
         return json_response(queued)
     if body.stream:
         # A refusal (queue full, GPU busy) raises here: an HTTP error with
         # Retry-After, before the 200 of an event stream is committed.
-        return await _stream(request, service, await service.stream(valid))
-    return json_response(await service.create(valid))
+        return await _stream(request, service, await service.stream(valid, owner))
+    return json_response(await service.create(valid, owner))
 
 
 class _Activity:
@@ -125,20 +127,20 @@ async def get_response(request: web.Request) -> web.StreamResponse:
     if _flag(query.get("stream", "false"), "stream"):
         # A background response's events, from the one after starting_after.
         return await _stream(request, service, await service.follow(response_id, _starting_after(
-            query.get("starting_after"))))
+            query.get("starting_after")), request_scope(request)))
     if "starting_after" in query:
         raise BadRequest("starting_after applies only with stream=true", param="starting_after")
-    return json_response(await service.get(response_id))
+    return json_response(await service.get(response_id, request_scope(request)))
 
 
 async def delete_response(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
-    await _service(request).delete(response_id)
+    await _service(request).delete(response_id, request_scope(request))
     return json_response({"id": response_id, "object": "response", "deleted": True})
 
 
 async def cancel_response(request: web.Request) -> web.Response:
-    return json_response(await _service(request).cancel(request.match_info["response_id"]))
+    return json_response(await _service(request).cancel(request.match_info["response_id"], request_scope(request)))
 
 
 def _limit(raw: str | None) -> int:
@@ -168,6 +170,7 @@ async def list_input_items(request: web.Request) -> web.Response:
         after=query.get("after"),
         limit=_limit(query.get("limit")),
         order=_order(query.get("order")),
+        scope=request_scope(request),
     )
     return json_response(
         {

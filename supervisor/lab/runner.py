@@ -156,8 +156,10 @@ class JobRunner:
 
     # ------------------------------------------------------------ commands
 
-    async def submit(self, kind: str, params: JobParams, priority: int = 0) -> tuple[Job, bool]:
-        job, created = await self.store.submit(kind, params_dict(params), priority)
+    async def submit(
+        self, kind: str, params: JobParams, priority: int = 0, owner: str | None = None
+    ) -> tuple[Job, bool]:
+        job, created = await self.store.submit(kind, params_dict(params), priority, owner)
         if created:
             self.wake()
         return job, created

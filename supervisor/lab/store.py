@@ -78,10 +78,20 @@ JOBS_SCHEMA: list[str] = [
         PRIMARY KEY (job_id, seq)
     ) WITHOUT ROWID""",
 ]
+# The key that submitted the job: its key id, "admin" for the admin token or
+# a session, NULL with authentication off. Keys see only their own jobs.
+JOBS_OWNER_SCHEMA: list[str] = [
+    "ALTER TABLE jobs ADD COLUMN owner TEXT",
+    "CREATE INDEX jobs_owner ON jobs(owner, n)",
+]
+# The job tables alone, for a database that holds nothing else (tests, benchmarks).
+JOBS_MIGRATIONS: list[list[str]] = [JOBS_SCHEMA, JOBS_OWNER_SCHEMA]
 
 _enc = msgspec.json.Encoder()
 # Fields the API never shows: internal bookkeeping.
 _HIDDEN = ("unique_key", "proc_create_time", "last_seq")
+# Process and file facts of the machine: shown to admins only.
+_ADMIN_ONLY = frozenset({"pid", "pgid", "log_path"})
 
 
 class Job(msgspec.Struct, kw_only=True):
@@ -108,15 +118,16 @@ class Job(msgspec.Struct, kw_only=True):
     log_path: str | None
     unique_key: str
     last_seq: int
+    owner: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.status in FINISHED
 
-    def to_api(self) -> dict[str, Any]:
+    def to_api(self, admin: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {"object": "job"}
         for name in self.__struct_fields__:
-            if name not in _HIDDEN:
+            if name not in _HIDDEN and (admin or name not in _ADMIN_ONLY):
                 out[name] = getattr(self, name)
         return out
 
@@ -178,10 +189,15 @@ class JobStore:
         kind: str | None = None,
         limit: int = 50,
         cursor: str | None = None,
+        owner: str | None = None,
     ) -> JobPage:
-        """Newest first; ``cursor`` is the previous page's ``next_cursor``."""
+        """Newest first; ``cursor`` is the previous page's ``next_cursor``;
+        ``owner``: only that key's jobs (None: everyone's)."""
         where: list[str] = []
         args: list[Any] = []
+        if owner is not None:
+            where.append("owner = ?")
+            args.append(owner)
         if status:
             where.append(f"status IN ({','.join('?' * len(status))})")
             args.extend(status)
@@ -215,20 +231,23 @@ class JobStore:
 
     # ------------------------------------------------------------ submit / claim
 
-    async def submit(self, kind: str, params: dict[str, Any], priority: int = 0) -> tuple[Job, bool]:
+    async def submit(
+        self, kind: str, params: dict[str, Any], priority: int = 0, owner: str | None = None
+    ) -> tuple[Job, bool]:
         """Queue a job; an identical queued/running one is returned instead.
 
-        Returns ``(job, created)``: created is False for the existing job.
+        Returns ``(job, created)``: created is False for the existing job
+        (whoever owns it: the caller decides what another key may see).
         """
         key = unique_key(kind, params)
         async with self.db.write() as conn:
             # One statement in the common case: the partial unique index
             # turns an identical active job into "no row inserted".
             rows = await conn.execute_fetchall(
-                "INSERT INTO jobs (id, kind, status, priority, params, created_at, unique_key) "
-                "VALUES (?, ?, 'queued', ?, ?, ?, ?) ON CONFLICT (unique_key) "
+                "INSERT INTO jobs (id, kind, status, priority, params, created_at, unique_key, owner) "
+                "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?) ON CONFLICT (unique_key) "
                 "WHERE status IN ('queued','running') DO NOTHING RETURNING *",
-                (new_job_id(), kind, priority, json.dumps(params), self.clock(), key),
+                (new_job_id(), kind, priority, json.dumps(params), self.clock(), key, owner),
             )
             if rows:
                 return _job(next(iter(rows))), True

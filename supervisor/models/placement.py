@@ -37,6 +37,27 @@ log = logging.getLogger("gpuvisor.placement")
 # keeps a 1 GiB margin per device.
 GPU_RUNTIME_RESERVE = 512 * 1024 * 1024
 
+# A vision projector's compute buffers for encoding one image, beyond its
+# weights (the file size). An estimate, not a measurement: the encoder's
+# activations grow with its image size and width, a few hundred MiB for the
+# common ones.
+PROJECTOR_COMPUTE_ALLOWANCE = 256 * 1024 * 1024
+
+
+def projector_bytes(entry: ModelEntry, embedding: bool = False) -> int:
+    """What a generation worker's projector takes: its weights, loaded whole
+    beside the model (never split by layer), plus the compute allowance.
+    An estimate; zero without a linked projector or for an embedding worker."""
+    if embedding or not entry.mmproj:
+        return 0
+    try:
+        size = Path(entry.mmproj).stat().st_size
+    except OSError as exc:
+        # The worker reports the unreadable projector and serves text only.
+        log.warning("%s: cannot size its projector %s: %s", entry.id, entry.mmproj, exc)
+        return 0
+    return size + PROJECTOR_COMPUTE_ALLOWANCE
+
 
 async def measure_free(budget_bytes: int, committed: Iterable[int]) -> tuple[int, str]:
     """Free bytes for a new model and the memory kind (gpu or ram).
@@ -105,7 +126,8 @@ def plan_load(entry: ModelEntry, settings: ModelSettings, *, explicit_ctx: bool,
         target=min(target_ctx or native, native) if requested is None else None,
         floor=min(min_ctx, native),
         opts=opts,
-        reserve_bytes=GPU_RUNTIME_RESERVE if memory_kind == "gpu" else 0,
+        # The projector is one fixed block, held back like the runtime's own.
+        reserve_bytes=(GPU_RUNTIME_RESERVE if memory_kind == "gpu" else 0) + projector_bytes(entry, embedding),
         memory_kind=memory_kind,
         n_gpu_layers=settings.n_gpu_layers if settings.n_gpu_layers is not None else -1,
         tensors=shard_tensor_sizes(entry, info),

@@ -12,15 +12,18 @@ from __future__ import annotations
 from typing import Any
 
 from supervisor.errors import BadRequest
+from supervisor.generation.images import Images, decode_data_url
 from supervisor.generation.tools import FunctionTool
 from supervisor.responses.items import (
     FunctionCallItem,
     FunctionCallOutputItem,
+    InputImage,
     Item,
     MessageItem,
     ReasoningItem,
+    image_data,
 )
-from worker.protocol import ChatMessage
+from worker.protocol import ChatMessage, ContentPart, ImagePart, TextPart
 
 
 class _Turns:
@@ -55,7 +58,12 @@ class _Turns:
             self._take_reasoning(msg)
             return
         role = "system" if item.role == "developer" else item.role
-        self.messages.append(ChatMessage(role=role, content=item.text()))
+        msg = ChatMessage(role=role, content=item.text())
+        if item.images():
+            # Validation allows images in user messages only, so moving system
+            # messages first never reorders them.
+            msg.parts = _parts(item)
+        self.messages.append(msg)
 
     def add_call(self, item: FunctionCallItem) -> None:
         msg = self._assistant()
@@ -105,6 +113,31 @@ def to_messages(
             case ReasoningItem():
                 turns.add_reasoning(item)
     return _system_first(turns.messages)
+
+
+def _parts(item: MessageItem) -> list[ContentPart]:
+    assert not isinstance(item.content, str)
+    return [ImagePart() if isinstance(p, InputImage) else TextPart(p.text) for p in item.content]
+
+
+def collect_images(history: list[Item], items: list[Item]) -> Images:
+    """The images of stored ``history`` and this request's ``items``, in the
+    order their messages place them. A request's own images were decoded when
+    it was validated; stored ones (validated when stored) are decoded here."""
+    images = Images()
+    n_history = len(history)
+    for pos, item in enumerate([*history, *items]):
+        if not isinstance(item, MessageItem) or isinstance(item.content, str):
+            continue
+        for j, part in enumerate(item.content):
+            if not isinstance(part, InputImage):
+                continue
+            param = f"input[{pos - n_history}].content[{j}]" if pos >= n_history else "previous_response_id"
+            data = image_data(part)
+            if data is None:
+                data = decode_data_url(part.image_url or "", param)
+            images.add_decoded(data, param)
+    return images
 
 
 def _system_first(messages: list[ChatMessage]) -> list[ChatMessage]:

@@ -43,7 +43,28 @@ class ReasoningText(msgspec.Struct, tag="reasoning_text", tag_field="type"):
     text: str
 
 
-ContentPart = InputText | OutputText
+class InputImage(msgspec.Struct, tag="input_image", tag_field="type", kw_only=True, dict=True):
+    """An image of a user message, stored as sent (a base64 data: URL), so a
+    continued conversation sends it again. ``detail`` is accepted and ignored.
+    ``dict=True`` lets the decoded bytes ride along (:func:`image_data`)
+    without being stored."""
+
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str = "auto"
+
+
+ContentPart = InputText | OutputText | InputImage
+
+
+def image_data(part: InputImage) -> bytes | None:
+    """The bytes decoded when the request was validated, if they were."""
+    data = part.__dict__.get("data")
+    return data if isinstance(data, bytes) else None
+
+
+def keep_image_data(part: InputImage, data: bytes) -> None:
+    part.__dict__["data"] = data
 
 
 # --------------------------------------------------------------------- items
@@ -58,7 +79,10 @@ class MessageItem(msgspec.Struct, tag="message", tag_field="type", kw_only=True)
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if not isinstance(part, InputImage))
+
+    def images(self) -> list[InputImage]:
+        return [] if isinstance(self.content, str) else [p for p in self.content if isinstance(p, InputImage)]
 
 
 class FunctionCallItem(msgspec.Struct, tag="function_call", tag_field="type", kw_only=True):
@@ -116,12 +140,11 @@ def normalize(item: Item) -> Item:
         item.id = new_id(_ID_PREFIX[type(item)])
     if isinstance(item, MessageItem):
         # Assistant turns hold output_text, every other role input_text, so a
-        # stored message always validates as the SDK's input or output message.
-        text_parts = [item.content] if isinstance(item.content, str) else [p.text for p in item.content]
-        if item.role == "assistant":
-            item.content = [OutputText(text) for text in text_parts]
-        else:
-            item.content = [InputText(text) for text in text_parts]
+        # stored message always validates as the SDK's input or output message;
+        # images keep their place among the parts.
+        parts: list[ContentPart] = [InputText(item.content)] if isinstance(item.content, str) else item.content
+        text_part = OutputText if item.role == "assistant" else InputText
+        item.content = [p if isinstance(p, InputImage) else text_part(p.text) for p in parts]
     return item
 
 

@@ -16,6 +16,7 @@ import msgspec
 
 from supervisor.api.io import validation_param
 from supervisor.errors import BadRequest
+from supervisor.generation.images import Images
 from supervisor.generation.tools import (
     FunctionTool,
     Offer,
@@ -23,7 +24,13 @@ from supervisor.generation.tools import (
     ToolChoice,
     offer,
 )
-from supervisor.responses.items import Item, MessageItem, normalize
+from supervisor.responses.items import (
+    InputImage,
+    Item,
+    MessageItem,
+    keep_image_data,
+    normalize,
+)
 from supervisor.responses.logprobs import MAX_TOP_LOGPROBS
 
 # FunctionTool is also importable from here, where it lived before tools.py.
@@ -148,9 +155,33 @@ def decode_items(value: str | list[dict[str, Any]] | None) -> list[Item]:
     return [_decode_item(raw, i) for i, raw in enumerate(value)]
 
 
+def check_images(items: list[Item]) -> None:
+    """Decode each input_image of ``items`` once, keeping the bytes on its part;
+    a 400 names the part (``input[i].content[j]``)."""
+    images = Images()
+    for i, item in enumerate(items):
+        if not isinstance(item, MessageItem) or isinstance(item.content, str):
+            continue
+        for j, part in enumerate(item.content):
+            if not isinstance(part, InputImage):
+                continue
+            param = f"input[{i}].content[{j}]"
+            if item.role != "user":
+                raise BadRequest("images are accepted in user messages only", param=param)
+            if part.file_id is not None:
+                raise BadRequest("file_id images are not supported (no files are stored here): "
+                                 "send the image as a base64 data: URL in image_url", param=param)
+            if part.image_url is None:
+                raise BadRequest("an input_image needs image_url (a base64 data: URL)",
+                                 param=param)
+            images.add(part.image_url, param)
+            keep_image_data(part, images.data[-1])
+
+
 def validate(body: CreateRequest) -> ValidRequest:
     """Cross-field rules msgspec cannot express; raises BadRequest naming the field."""
     items = decode_items(body.input)
+    check_images(items)
     if not items and body.previous_response_id is None:
         raise BadRequest("input is required", param="input")
     offered = offer(body.tools, body.tool_choice)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from supervisor.errors import ApiError, BadRequest, ModelNotFound, Unavailable
 from supervisor.generation.grammar import tool_call_grammar
+from supervisor.generation.images import require_vision
 from supervisor.generation.parse import (
     HarmonyParser,
     OutputParser,
@@ -25,7 +26,7 @@ from supervisor.generation.parse import (
 )
 from supervisor.generation.profile import TemplateProfile, profile_for
 from supervisor.generation.tools import FunctionTool, NamedFunction, Offer, PlanChoice
-from supervisor.responses.convert import template_tools, to_messages
+from supervisor.responses.convert import collect_images, template_tools, to_messages
 from supervisor.responses.events import Event, EventBuilder
 from supervisor.responses.items import Item
 from supervisor.responses.logprobs import TextLogprobs
@@ -73,6 +74,7 @@ class GenerationPool(Protocol):
         params: SamplingParams | None = None,
         template_vars: dict[str, Any] | None = None,
         request_id: str = "",
+        images: list[bytes] | None = None,
     ) -> Outputs: ...
 
 
@@ -90,6 +92,8 @@ class Plan:
     namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
     # The one function a forcing grammar allows, if only one.
     forced_name: str | None = None
+    # The images the messages' ImageParts place, in order.
+    images: list[bytes] = field(default_factory=list)
 
     @property
     def forced_call(self) -> bool:
@@ -237,7 +241,9 @@ def plan(req: CreateRequest, history: list[Item], items: list[Item], facts: Mode
     profile = profile_for(facts.chat_template)
     effort = req.reasoning.effort if req.reasoning else None
     offer = offer or Offer()
-    return tool_plan(
+    images = collect_images(history, items)
+    require_vision(req.model, images, facts)
+    planned = tool_plan(
         to_messages(history, items, req.instructions),
         _sampling(req),
         profile,
@@ -247,10 +253,14 @@ def plan(req: CreateRequest, history: list[Item], items: list[Item], facts: Mode
         template_vars=profile.template_vars(effort),
         namespaces=offer.namespaces,
     )
+    planned.images = images.data
+    return planned
 
 
 async def admit(pool: GenerationPool, model: str, plan: Plan, request_id: str = "") -> Outputs:
     """Queue the generation on the model's worker; a refusal raises here."""
+    # Images only when there are some: a pool without image support still serves text.
+    extra: dict[str, Any] = {"images": plan.images} if plan.images else {}
     return await pool.admit(
         model,
         messages=plan.messages,
@@ -258,6 +268,7 @@ async def admit(pool: GenerationPool, model: str, plan: Plan, request_id: str = 
         params=plan.params,
         template_vars=plan.template_vars,
         request_id=request_id,
+        **extra,
     )
 
 

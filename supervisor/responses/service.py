@@ -79,10 +79,11 @@ class ResponsesService:
 
     # --------------------------------------------------------------- create
 
-    async def _history(self, req: CreateRequest) -> list[Item]:
+    async def _history(self, req: CreateRequest, owner: str | None) -> list[Item]:
         if req.previous_response_id is None:
             return []
-        previous, items = await self.store.history(req.previous_response_id)
+        # Another key's response is no previous response of this one (404).
+        previous, items = await self.store.history(req.previous_response_id, owner)
         if not previous.terminal:
             raise Conflict(
                 f"previous response {previous.id!r} is still {previous.status}",
@@ -133,31 +134,32 @@ class ResponsesService:
         except TimeoutError:
             return
 
-    async def _save(self, resp: ResponseObject, valid: ValidRequest) -> None:
+    async def _save(self, resp: ResponseObject, valid: ValidRequest, owner: str | None) -> None:
         if valid.body.store:
-            await self.store.save(resp, valid.items)
+            await self.store.save(resp, valid.items, owner)
 
-    async def stream(self, valid: ValidRequest) -> ResponseStream:
+    async def stream(self, valid: ValidRequest, owner: str | None = None) -> ResponseStream:
         """Check what can fail with an HTTP error (a bad request, an unknown
-        model, a full queue or a busy GPU), then return the event stream."""
-        history = await self._history(valid.body)
+        model, a full queue or a busy GPU), then return the event stream.
+        ``owner``: the API key id creating it (None: the admin, or auth off)."""
+        history = await self._history(valid.body, owner)
         resp = new_response(valid.body, self._clock(), "in_progress")
         generation, outputs = await self._generation(valid, history, resp.id, self.keepalive_s)
-        return ResponseStream(self._events(resp, valid, generation, outputs), outputs)
+        return ResponseStream(self._events(resp, valid, generation, outputs, owner), outputs)
 
     async def _events(
-        self, resp: ResponseObject, valid: ValidRequest, generation: Plan, outputs: Outputs
+        self, resp: ResponseObject, valid: ValidRequest, generation: Plan, outputs: Outputs, owner: str | None
     ) -> AsyncGenerator[Event, None]:
         builder = EventBuilder(resp, self._clock)
         async for event in run(self.pool, resp.model, generation, builder, request_id=resp.id,
                                admitted=outputs):
             if event.type in TERMINAL_EVENTS:
-                await self._save(resp, valid)
+                await self._save(resp, valid, owner)
             yield event
 
-    async def create(self, valid: ValidRequest) -> ResponseObject:
+    async def create(self, valid: ValidRequest, owner: str | None = None) -> ResponseObject:
         """Run to the end and return the final object (non-streaming)."""
-        history = await self._history(valid.body)
+        history = await self._history(valid.body, owner)
         resp = new_response(valid.body, self._clock(), "in_progress")
         builder = EventBuilder(resp, self._clock)
         try:
@@ -168,24 +170,24 @@ class ResponsesService:
             # The worker failed under it (e.g. crashed): a failed response, as mid-generation.
             builder.start()
             builder.failed(exc.code or "server_error", exc.message)
-            await self._save(resp, valid)
+            await self._save(resp, valid, owner)
             return resp
         async for _ in run(self.pool, resp.model, generation, builder, request_id=resp.id, raise_early=True,
                            admitted=outputs):
             pass
-        await self._save(resp, valid)
+        await self._save(resp, valid, owner)
         return resp
 
-    async def create_background(self, valid: ValidRequest) -> ResponseObject:
+    async def create_background(self, valid: ValidRequest, owner: str | None = None) -> ResponseObject:
         """Store the response as queued and run it detached from the request;
         its events are logged for clients that stream or attach later."""
-        history = await self._history(valid.body)
+        history = await self._history(valid.body, owner)
         # Reject a bad conversation (e.g. an output for an unknown call) now, as a 400.
         to_messages(history, valid.items, valid.body.instructions)
         self.background.check_capacity()
         resp = new_response(valid.body, self._clock(), "queued")
         builder = EventBuilder(resp, self._clock)
-        await self.store.save(resp, valid.items)
+        await self.store.save(resp, valid.items, owner)
         log = self.live.open(resp.id)
         try:
             await log.add(builder.queued())
@@ -227,10 +229,10 @@ class ResponsesService:
         async for event in run(self.pool, resp.model, generation, builder, request_id=resp.id, admitted=outputs):
             await log.add([event])
 
-    async def follow(self, response_id: str, after: int) -> ResponseStream:
+    async def follow(self, response_id: str, after: int, scope: str | None = None) -> ResponseStream:
         """The events of a background response after sequence number ``after``:
         live while it runs, stored once it has finished (or the service restarted)."""
-        resp = await self.get(response_id)
+        resp = await self.get(response_id, scope)
         if not resp.background:
             raise BadRequest("only background responses can be streamed again; this one was not background",
                              param="stream")
@@ -238,20 +240,25 @@ class ResponsesService:
 
     # ----------------------------------------------------------- retrieval
 
-    async def get(self, response_id: str) -> ResponseObject:
-        resp = await self.store.get(response_id)
+    # ``scope``: the API key id of the caller, who sees only what it created
+    # (another key's response is 404, as if it did not exist); None sees all.
+
+    async def get(self, response_id: str, scope: str | None = None) -> ResponseObject:
+        resp = await self.store.get(response_id, scope)
         if resp is None:
             raise NotFound(f"response {response_id!r} not found", param="response_id")
         return resp
 
-    async def delete(self, response_id: str) -> None:
+    async def delete(self, response_id: str, scope: str | None = None) -> None:
+        if scope is not None:
+            await self.get(response_id, scope)  # NotFound before anything is cancelled
         await self.background.cancel(response_id)
         await self.live.finish(response_id)
-        if not await self.store.delete(response_id):
+        if not await self.store.delete(response_id, scope):
             raise NotFound(f"response {response_id!r} not found", param="response_id")
 
-    async def cancel(self, response_id: str) -> ResponseObject:
-        resp = await self.get(response_id)
+    async def cancel(self, response_id: str, scope: str | None = None) -> ResponseObject:
+        resp = await self.get(response_id, scope)
         if not resp.background:
             raise BadRequest("only background responses can be cancelled", param="response_id")
         if resp.status == "cancelled":
@@ -268,6 +275,7 @@ class ResponsesService:
         return resp
 
     async def input_items(
-        self, response_id: str, *, after: str | None, limit: int, order: Literal["asc", "desc"]
+        self, response_id: str, *, after: str | None, limit: int, order: Literal["asc", "desc"],
+        scope: str | None = None,
     ) -> tuple[list[Item], bool]:
-        return await self.store.input_items(response_id, after=after, limit=limit, order=order)
+        return await self.store.input_items(response_id, after=after, limit=limit, order=order, scope=scope)

@@ -55,6 +55,14 @@ RESPONSE_EVENTS_SCHEMA: list[str] = [
     ) WITHOUT ROWID""",
 ]
 
+# Migration for supervisor.db.Database, after RESPONSE_EVENTS_SCHEMA: the API
+# key id that created a response (NULL: the admin, auth off, or older rows),
+# so that another user key cannot read, follow, cancel or delete it.
+RESPONSES_OWNER_SCHEMA: list[str] = ["ALTER TABLE responses ADD COLUMN owner TEXT"]
+
+# The scope filter of a query: NULL scope (admin, auth off) sees every row.
+_SCOPED = " AND (? IS NULL OR owner = ?)"
+
 # Deep enough for any real conversation; stops a corrupted cycle.
 MAX_CHAIN = 10_000
 
@@ -103,11 +111,16 @@ class ResponseStore:
         self._db = db
 
     async def ensure_schema(self) -> None:
-        """Create the events table where the database's migrations predate it
+        """Create the events table and owner column where the database's migrations predate them
         (the app's migration list is wired separately); a no-op otherwise."""
         async with self._db.write() as conn:
             for sql in RESPONSE_EVENTS_SCHEMA:
                 await conn.execute(sql)
+            # Likewise the owner column (the app's migrations add it before this runs).
+            columns = {row[1] for row in await conn.execute_fetchall("PRAGMA table_info(responses)")}
+            if "owner" not in columns:
+                for sql in RESPONSES_OWNER_SCHEMA:
+                    await conn.execute(sql)
 
     async def append_events(self, response_id: str, first_seq: int, events: list[Event]) -> None:
         """Store ``events``, numbered from ``first_seq``, in one transaction."""
@@ -125,14 +138,14 @@ class ResponseStore:
         ) as cur:
             return [Event(row[0], bytes(row[1])) for row in await cur.fetchall()]
 
-    async def save(self, resp: ResponseObject, items: list[Item]) -> None:
-        """Insert a response and its input items, atomically."""
+    async def save(self, resp: ResponseObject, items: list[Item], owner: str | None = None) -> None:
+        """Insert a response (created by key ``owner``) and its input items, atomically."""
         async with self._db.write() as conn:
             await conn.execute(
-                "INSERT INTO responses (id, created_at, status, previous_response_id, background, body)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO responses (id, created_at, status, previous_response_id, background, body, owner)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (resp.id, resp.created_at, resp.status, resp.previous_response_id, int(resp.background),
-                 _body_encoder.encode(resp)),
+                 _body_encoder.encode(resp), owner),
             )
             await conn.executemany(
                 "INSERT INTO response_input_items (response_id, position, item_id, item) VALUES (?, ?, ?, ?)",
@@ -148,21 +161,26 @@ class ResponseStore:
             )
             return cur.rowcount == 1
 
-    async def get(self, response_id: str) -> ResponseObject | None:
-        async with self._db.reader.execute("SELECT body FROM responses WHERE id = ?", (response_id,)) as cur:
+    async def get(self, response_id: str, scope: str | None = None) -> ResponseObject | None:
+        """The response, if it exists and ``scope`` (a key id; None: any) created it."""
+        async with self._db.reader.execute("SELECT body FROM responses WHERE id = ?" + _SCOPED,
+                                           (response_id, scope, scope)) as cur:
             row = await cur.fetchone()
         return None if row is None else _body_decoder.decode(row[0])
 
-    async def delete(self, response_id: str) -> bool:
+    async def delete(self, response_id: str, scope: str | None = None) -> bool:
         async with self._db.write() as conn:
-            cur = await conn.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+            cur = await conn.execute("DELETE FROM responses WHERE id = ?" + _SCOPED, (response_id, scope, scope))
             return cur.rowcount == 1
 
-    async def history(self, response_id: str) -> tuple[ResponseObject, list[Item]]:
+    async def history(self, response_id: str, scope: str | None = None) -> tuple[ResponseObject, list[Item]]:
         """The response ``response_id`` and every item of its chain, oldest first.
 
-        Raises NotFound (``previous_response_not_found``) for an unknown id.
+        Raises NotFound (``previous_response_not_found``) for an unknown id,
+        or one that ``scope`` (a key id) did not create.
         """
+        if scope is not None and await self.get(response_id, scope) is None:
+            raise previous_not_found(response_id)
         items: list[Item] = []
         newest: ResponseObject | None = None
         async with self._db.reader.execute(_CHAIN_SQL, (response_id, MAX_CHAIN)) as cur:
@@ -179,10 +197,11 @@ class ResponseStore:
         return newest, items
 
     async def input_items(
-        self, response_id: str, *, after: str | None, limit: int, order: Literal["asc", "desc"]
+        self, response_id: str, *, after: str | None, limit: int, order: Literal["asc", "desc"],
+        scope: str | None = None,
     ) -> tuple[list[Item], bool]:
         """A page of input items and whether more follow. Raises NotFound."""
-        if await self.get(response_id) is None:
+        if await self.get(response_id, scope) is None:
             raise NotFound(f"response {response_id!r} not found", param="response_id")
         cmp, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
         params: list[object] = [response_id]

@@ -33,7 +33,7 @@ from worker import protocol as p
 
 log = logging.getLogger("gpuvisor.worker")
 
-EXIT_LOAD_FAILED = 3
+EXIT_LOAD_FAILED = p.EXIT_LOAD_FAILED
 MAX_SOCKET_PATH = 100
 WORKER_LOG_MAX_BYTES = 32 << 20
 
@@ -90,12 +90,15 @@ class WorkerSpec:
     draft_ngram: int = 0
     # Requests the worker runs at once (its engine slots).
     parallel: int = 1
+    # The vision projector (mmproj) to load with the model, if the library links one.
+    mmproj: Path | None = None
 
     def same_settings(self, other: WorkerSpec) -> bool:
         return self._settings() == other._settings()
 
     def _settings(self) -> tuple[object, ...]:
-        return (self.path, self.n_ctx, self.n_gpu_layers, self.cache_type, self.draft_ngram, self.parallel)
+        return (self.path, self.n_ctx, self.n_gpu_layers, self.cache_type, self.draft_ngram, self.parallel,
+                self.mmproj)
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,9 @@ class WorkerHandle:
         self.queue: deque[Pending] = deque()
         self.inflight: dict[int, Pending] = {}
         self.crash_times: deque[float] = deque()
+        # Whether a crash counts toward crash_limit, given the requests in flight
+        # (the pool's poison-request rule, supervisor/workers/poison.py).
+        self.crash_counts: Callable[[list[Pending]], bool] = lambda _in_flight: True
         self.ready = asyncio.Event()
         self.changed = asyncio.Event()
         self._ids = itertools.count(1)
@@ -243,7 +249,8 @@ class WorkerHandle:
     def _record_crash(self, code: int | None) -> bool:
         """Count a crash; True when it was one too many (state FAILED)."""
         now = self.clock()
-        self.crash_times.append(now)
+        if self.crash_counts(list(self.inflight.values())):
+            self.crash_times.append(now)
         while self.crash_times and now - self.crash_times[0] > self.timing.crash_window:
             self.crash_times.popleft()
         signalled_by_us = code is not None and -code in self._sent_signals
@@ -400,6 +407,8 @@ class WorkerHandle:
             args += ["--cache-type", s.cache_type]
         if s.draft_ngram > 0:
             args += ["--draft-ngram", str(s.draft_ngram)]
+        if s.mmproj is not None:
+            args += ["--mmproj", str(s.mmproj)]
         env = child_environ(os.environ)  # an allowlist: no token reaches a worker
         log_path = self.log_path
         _rotate(log_path)

@@ -31,7 +31,12 @@ from supervisor.errors import (
     UpstreamError,
 )
 from supervisor.models.library import ModelEntry
-from supervisor.models.memfit import ContextDecision, DoesNotFit
+from supervisor.models.memfit import (
+    ContextDecision,
+    DoesNotFit,
+    MemorySnapshot,
+    free_memory,
+)
 from supervisor.models.placement import FALLBACK_CTX, measure_free, plan_load
 from supervisor.models.source import LibrarySource
 from supervisor.workers.handle import (
@@ -44,12 +49,15 @@ from supervisor.workers.handle import (
     WorkerSpec,
     WorkerState,
 )
+from supervisor.workers.poison import PoisonTracker, fingerprint
 from worker import protocol as p
 
 log = logging.getLogger("gpuvisor.pool")
 
 # Worker error codes that are the client's fault.
-_CLIENT_ERRORS = {"context_length_exceeded", "template_error", "invalid_grammar", "invalid_request"}
+_CLIENT_ERRORS = {"context_length_exceeded", "template_error", "invalid_grammar", "invalid_request",
+                  # The worker's checks on a request's images (the parent checks them first).
+                  "invalid_image", "image_too_large", "too_many_images", "vision_unavailable"}
 
 
 Admission = Callable[[str], str | None]
@@ -100,6 +108,8 @@ class WorkerPool:
         self._reaper: asyncio.Task[None] | None = None
         # Observers of finished generations (metrics): called with (model, Done).
         self.on_done: list[Callable[[str, p.Done], None]] = []
+        # Requests in flight during worker crashes (supervisor/workers/poison.py).
+        self.poison = PoisonTracker()
 
     def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap_idle(), name="keep-alive")
@@ -128,12 +138,18 @@ class WorkerPool:
             entry = self.models.entry(model_id)
             if entry is None:
                 raise ModelNotFound(f"model '{model_id}' does not exist", param="model")
+            if handle is not None and handle.state is not WorkerState.FAILED and self._unchanged(
+                    handle, entry, options, settings):
+                handle.keep_alive = parse_duration(settings.keep_alive or 0)
+                return handle
+            # A context set for this model in the config is as explicit as one in a load body.
+            own = self.cfg.model_defaults.get(model_id)
+            explicit_ctx = bool(options and options.n_ctx) or (own is not None and own.n_ctx is not None)
+            # Before anything is stopped for it: a load that can never fit evicts nothing.
+            await self._check_fits_at_all(entry, settings, explicit_ctx, self._parallel(settings), embedding)
             if handle is not None:
-                if handle.state is not WorkerState.FAILED and self._unchanged(handle, entry, options, settings):
-                    handle.keep_alive = parse_duration(settings.keep_alive or 0)
-                    return handle
                 await self._drop(key, f"model {model_id} is being reloaded with new settings")
-            return await self._start_handle(key, entry, settings, explicit_ctx=bool(options and options.n_ctx))
+            return await self._start_handle(key, entry, settings, explicit_ctx)
 
     def _unchanged(self, handle: WorkerHandle, entry: ModelEntry, options: ModelSettings | None,
                    settings: ModelSettings) -> bool:
@@ -157,11 +173,8 @@ class WorkerPool:
     async def _start_handle(self, key: tuple[str, bool], entry: ModelEntry, settings: ModelSettings,
                             explicit_ctx: bool) -> WorkerHandle:
         model_id, embedding = key
-        await self._make_room_by_count(model_id)
-        # A context set for this model in the config is as explicit as one in a load body.
-        own = self.cfg.model_defaults.get(model_id)
-        explicit_ctx = explicit_ctx or (own is not None and own.n_ctx is not None)
         parallel = self._parallel(settings)
+        await self._make_room_by_count(model_id)
         decision = await self._fit(entry, settings, explicit_ctx, parallel, embedding)
         n_ctx = decision.n_ctx if decision is not None else (settings.n_ctx or self.cfg.n_ctx or FALLBACK_CTX)
         gpu_layers = settings.n_gpu_layers if settings.n_gpu_layers is not None else -1
@@ -169,14 +182,32 @@ class WorkerPool:
             gpu_layers = decision.n_gpu_layers  # fewer than asked with partial offload
         spec = WorkerSpec(model_id, Path(entry.path), embedding, n_ctx, gpu_layers,
                           self.cfg.n_threads, self.device, settings.cache_type or "f16",
-                          settings.draft_ngram or 0, parallel)
+                          settings.draft_ngram or 0, parallel,
+                          # An embedding worker never takes images.
+                          mmproj=Path(entry.mmproj) if entry.mmproj and not embedding else None)
         handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit)
         handle.keep_alive = parse_duration(settings.keep_alive or 0)
+        handle.crash_counts = lambda in_flight: self.poison.crashed(
+            fingerprint(model_id, pend.msg) for pend in in_flight)
         self.handles[key] = handle
         self.fits[key] = decision
         handle.start()
         self._signal()
         return handle
+
+    async def _check_fits_at_all(self, entry: ModelEntry, settings: ModelSettings,
+                                 explicit_ctx: bool, parallel: int, embedding: bool) -> None:
+        """Raise DoesNotFit (400, param n_ctx) when the load would not fit even
+        in all of the memory (or the whole budget) with no model loaded: then
+        no eviction or wait can help, and none is made."""
+        snap: MemorySnapshot = await asyncio.to_thread(free_memory)
+        ceiling = snap.total_bytes
+        if self.cfg.memory_budget_mib > 0:
+            ceiling = min(ceiling, self.cfg.memory_budget_mib << 20)
+        await asyncio.to_thread(
+            plan_load, entry, settings, explicit_ctx=explicit_ctx, target_ctx=self.cfg.n_ctx,
+            min_ctx=self.cfg.min_ctx, free_bytes=ceiling, memory_kind=snap.kind, slots=parallel,
+            embedding=embedding)
 
     async def _fit(self, entry: ModelEntry, settings: ModelSettings,
                    explicit_ctx: bool, parallel: int, embedding: bool) -> ContextDecision | None:
@@ -304,6 +335,11 @@ class WorkerPool:
 
     def _submit(self, handle: WorkerHandle, msg: p.Generate | p.Embed | p.Tokenize) -> Pending:
         self._check_admission()
+        # No fingerprint is taken (a hash of the whole prompt) until a crash was seen.
+        if self.poison and self.poison.is_poison(fingerprint(handle.spec.model_id, msg)):
+            raise BadRequest(
+                f"this request crashed the model worker of '{handle.spec.model_id}' twice; "
+                "it is refused so that it cannot take the model down for others", code="request_crashed_worker")
         try:
             return handle.submit(msg)
         except QueueFull as exc:
@@ -340,6 +376,7 @@ class WorkerPool:
         template_vars: dict[str, Any] | None = None,
         request_id: str = "",
         keep_alive: float | None = None,
+        images: list[bytes] | None = None,
     ) -> Generation:
         """Load the model and queue one completion now, so that a refusal
         (queue full, GPU busy, model failed) raises before any output.
@@ -351,7 +388,7 @@ class WorkerPool:
         if keep_alive is not None:
             handle.keep_alive = keep_alive
         msg = p.Generate(0, params or p.SamplingParams(), messages, prompt, tools,
-                         template_vars or {}, request_id)
+                         template_vars or {}, request_id, images or [])
         return Generation(self, model, handle, self._submit(handle, msg))
 
     async def _call(self, model: str, embedding: bool, msg: p.Embed | p.Tokenize) -> p.FromWorker:
@@ -499,7 +536,8 @@ def _blamed_param(code: str, msg: p.Generate | p.Embed | p.Tokenize) -> str | No
     """The request field a worker-side client error is about."""
     if code == "invalid_grammar":
         return "response_format"
-    if code in ("context_length_exceeded", "template_error"):
+    if code in ("context_length_exceeded", "template_error", "invalid_image", "image_too_large",
+                "too_many_images", "vision_unavailable"):
         if isinstance(msg, p.Generate):
             return "messages" if msg.messages is not None else "prompt"
         return "input"

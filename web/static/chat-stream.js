@@ -2,6 +2,7 @@
 // previous_response_id), or, on a server without it, through
 // /v1/chat/completions with the history kept here. Both report the same
 // callbacks: onReasoning(text), onText(text), onDone({usage, status, id}).
+// Images (data: URLs) go with the turn's text as input_image / image_url parts.
 import { ApiError, send } from './api.js';
 import { readEvents } from './sse.js';
 
@@ -22,21 +23,25 @@ export class ChatSession {
     this.history = [];
   }
 
-  async turn({ model, text, instructions, maxTokens, temperature, signal }, cb) {
+  async turn({ model, text, images = [], instructions, maxTokens, temperature, signal }, cb) {
     if (this.mode === 'responses') {
       try {
-        return await this.viaResponses({ model, text, instructions, maxTokens, temperature, signal }, cb);
+        return await this.viaResponses({ model, text, images, instructions, maxTokens, temperature, signal }, cb);
       } catch (err) {
         if (!routeMissing(err)) throw err;
         this.mode = 'chat';
         cb.onFallback?.();
       }
     }
-    return this.viaChat({ model, text, instructions, maxTokens, temperature, signal }, cb);
+    return this.viaChat({ model, text, images, instructions, maxTokens, temperature, signal }, cb);
   }
 
-  async viaResponses({ model, text, instructions, maxTokens, temperature, signal }, cb) {
-    const body = { model, input: text, stream: true, store: true };
+  async viaResponses({ model, text, images = [], instructions, maxTokens, temperature, signal }, cb) {
+    const input = images.length ? [{
+      role: 'user',
+      content: [{ type: 'input_text', text }, ...images.map((url) => ({ type: 'input_image', image_url: url, detail: 'auto' }))],
+    }] : text;
+    const body = { model, input, stream: true, store: true };
     if (this.previousId) body.previous_response_id = this.previousId;
     if (instructions) body.instructions = instructions;
     if (maxTokens) body.max_output_tokens = maxTokens;
@@ -73,10 +78,12 @@ export class ChatSession {
     throw new ApiError(0, { message: 'the stream ended before the response finished', code: 'stream_cut' });
   }
 
-  async viaChat({ model, text, instructions, maxTokens, temperature, signal }, cb) {
+  async viaChat({ model, text, images = [], instructions, maxTokens, temperature, signal }, cb) {
     const messages = [];
     if (instructions) messages.push({ role: 'system', content: instructions });
-    messages.push(...this.history, { role: 'user', content: text });
+    const content = images.length
+      ? [{ type: 'text', text }, ...images.map((url) => ({ type: 'image_url', image_url: { url } }))] : text;
+    messages.push(...this.history, { role: 'user', content });
     const body = { model, messages, stream: true, stream_options: { include_usage: true } };
     if (maxTokens) body.max_tokens = maxTokens;
     if (temperature !== null && temperature !== undefined) body.temperature = temperature;
@@ -97,7 +104,7 @@ export class ChatSession {
       if (choice?.delta?.content) { answer += choice.delta.content; cb.onText(choice.delta.content); }
       if (choice?.finish_reason) finish = choice.finish_reason;
     }
-    this.history.push({ role: 'user', content: text }, { role: 'assistant', content: answer });
+    this.history.push({ role: 'user', content }, { role: 'assistant', content: answer });
     return { id: null, status: finish === 'length' ? 'incomplete' : 'completed', usage };
   }
 }

@@ -3,7 +3,9 @@
 // with previous_response_id, stop to cancel. Answers render as Markdown
 // (built as DOM nodes, never as HTML). Conversations are kept in this
 // browser (localStorage) to open, continue, rename and delete later; the
-// model can change between turns of one conversation.
+// model can change between turns of one conversation. Images attach by the
+// file picker, drag-and-drop or paste, for models whose projector loaded
+// (``vision`` in /api/models); they are sent inline as data: URLs.
 import { getJson, send } from './api.js';
 import { errorBox, formatNumber, h, replace } from './dom.js';
 import { ChatSession } from './chat-stream.js';
@@ -27,6 +29,20 @@ export function modelStateText(m) {
     case 'crashed': return 'restarting after a crash';
     default: return m.state;
   }
+}
+
+// The server's bounds (worker/protocol.py): refused here first, with the reason.
+export const IMAGE_TYPES = ['image/png', 'image/jpeg', 'image/webp', 'image/gif'];
+const MAX_IMAGES = 8;
+const MAX_IMAGE_BYTES = 4 * 1024 * 1024;
+
+function readDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
 }
 
 function usageLine(turn) {
@@ -56,7 +72,14 @@ function turnView(turn) {
   if (turn.error) error.append(errorBox(turn.error));
   const answer = h('div', { class: `msg assistant ${turn.status}`, 'aria-busy': String(turn.status === 'streaming') },
     h('div', { class: 'who', text: turn.model }), reasoning, text, error, meta);
-  const el = h('div', { class: 'turn' }, h('div', { class: 'msg user' }, h('div', { class: 'who', text: 'You' }), h('div', { class: 'user-text', text: turn.user })), answer);
+  // Saved conversations keep only a count of their images (localStorage is small).
+  const pics = (turn.images || []).map((url) => h('img', { class: 'chat-image', src: url, alt: 'attached image' }));
+  const missing = (turn.imageCount || 0) - pics.length;
+  const images = pics.length || missing > 0
+    ? h('div', { class: 'chat-images' }, ...pics,
+      missing > 0 ? h('span', { class: 'small muted', text: `${missing} image${missing === 1 ? '' : 's'} (not kept in this browser)` }) : null)
+    : null;
+  const el = h('div', { class: 'turn' }, h('div', { class: 'msg user' }, h('div', { class: 'who', text: 'You' }), images, h('div', { class: 'user-text', text: turn.user })), answer);
   return {
     el,
     update() {
@@ -85,8 +108,13 @@ export function mount(root, _params, query) {
   const stopBtn = h('button', { type: 'button', class: 'danger', text: 'Stop', hidden: true });
   const newBtn = h('button', { type: 'button', class: 'secondary', text: 'New chat' });
   const formError = h('div', { class: 'form-error', role: 'alert' });
-  const composer = h('form', { class: 'composer', novalidate: true }, input, formError,
-    h('div', { class: 'actions' }, newBtn, h('span', { class: 'spacer' }), stopBtn, sendBtn));
+  const picker = h('input', { id: 'chat-image-file', type: 'file', accept: IMAGE_TYPES.join(','), multiple: true, hidden: true });
+  const attachBtn = h('button', { type: 'button', class: 'secondary', text: 'Attach image', 'aria-controls': 'chat-image-file' });
+  const thumbs = h('div', { class: 'chat-images attached', 'aria-label': 'Images to send' });
+  const composer = h('form', { class: 'composer', novalidate: true }, thumbs, input, formError,
+    h('div', { class: 'actions' }, newBtn, attachBtn, picker, h('span', { class: 'spacer' }), stopBtn, sendBtn));
+  let attached = []; // data: URLs for the next turn
+  const vision = new Map(); // model id -> { vision, vision_error }
   const convList = h('ul', { class: 'plain conversations', 'aria-label': 'Saved conversations' });
 
   const settings = h('details', { class: 'card chat-settings', open: true },
@@ -220,7 +248,8 @@ export function mount(root, _params, query) {
     const last = c.turns[c.turns.length - 1];
     saveConversation({
       id: c.id, title: c.title, model: last.model, lastResponseId: c.session.previousId,
-      history: c.session.mode === 'chat' ? c.session.history : undefined, turns: c.turns,
+      history: c.session.mode === 'chat' ? c.session.history : undefined,
+      turns: c.turns.map(({ images: _images, ...t }) => t),
     });
     renderConversations();
   }
@@ -251,6 +280,8 @@ export function mount(root, _params, query) {
       return;
     }
     const keep = firstList ? null : modelSel.value;
+    vision.clear();
+    for (const m of usable) vision.set(m.id, { vision: Boolean(m.vision), error: m.vision_error || '' });
     replace(modelSel, usable.map((m) => h('option', { value: m.id, dataset: { state: m.state }, text: `${m.id} — ${modelStateText(m)}` })));
     const has = (id) => id && usable.some((m) => m.id === id);
     const ready = usable.find((m) => m.state === 'ready');
@@ -264,6 +295,46 @@ export function mount(root, _params, query) {
   }, () => (modelSel.querySelector('option[data-state=starting]') ? 1000 : 5000));
 
   modelSel.addEventListener('change', () => { c.model = modelSel.value; pending = null; });
+
+  // Why the selected model cannot take images, or null when it can.
+  function noVision() {
+    const v = vision.get(modelSel.value);
+    if (!v || v.vision) return null;
+    return `${modelSel.value} takes no images: it has no vision projector${v.error ? ` (${v.error})` : ''}.`;
+  }
+  function showThumbs() {
+    replace(thumbs, attached.map((url, i) => h('span', { class: 'thumb' },
+      h('img', { class: 'chat-image', src: url, alt: `image ${i + 1} to send` }),
+      h('button', {
+        type: 'button', class: 'secondary small', text: '×', 'aria-label': `Remove image ${i + 1}`,
+        onclick: () => { attached.splice(i, 1); showThumbs(); },
+      }))));
+  }
+  async function attach(files) {
+    replace(formError);
+    const why = noVision();
+    if (why) { formError.textContent = why; return; }
+    for (const file of files) {
+      if (!IMAGE_TYPES.includes(file.type)) { formError.textContent = `${file.name || 'That file'} is not a PNG, JPEG, WebP or GIF image.`; continue; }
+      if (file.size > MAX_IMAGE_BYTES) { formError.textContent = `${file.name || 'The image'} is over 4 MiB.`; continue; }
+      if (attached.length >= MAX_IMAGES) { formError.textContent = `At most ${MAX_IMAGES} images per message.`; break; }
+      attached.push(await readDataUrl(file));
+    }
+    showThumbs();
+  }
+  attachBtn.addEventListener('click', () => picker.click());
+  picker.addEventListener('change', () => { attach([...picker.files]); picker.value = ''; });
+  composer.addEventListener('dragover', (ev) => { ev.preventDefault(); composer.classList.add('dropping'); });
+  composer.addEventListener('dragleave', () => composer.classList.remove('dropping'));
+  composer.addEventListener('drop', (ev) => {
+    ev.preventDefault();
+    composer.classList.remove('dropping');
+    attach([...(ev.dataTransfer?.files || [])]);
+  });
+  input.addEventListener('paste', (ev) => {
+    const files = [...(ev.clipboardData?.files || [])].filter((file) => file.type.startsWith('image/'));
+    if (files.length) { ev.preventDefault(); attach(files); }
+  });
   instructions.addEventListener('input', () => { c.instructions = instructions.value; });
   maxTokens.addEventListener('input', () => { c.maxTokens = maxTokens.value; });
   temperature.addEventListener('input', () => { c.temperature = temperature.value; });
@@ -297,7 +368,11 @@ export function mount(root, _params, query) {
     if (!text || controller) return;
     const s = readSettings();
     if (s.error) { formError.textContent = s.error; return; }
-    const turn = { user: text, model: s.model, reasoning: '', text: '', status: 'streaming', usage: null, error: null, tps: null, seconds: null, responseId: null };
+    const images = attached;
+    if (images.length && noVision()) { formError.textContent = noVision(); return; }
+    attached = [];
+    showThumbs();
+    const turn = { user: text, images, imageCount: images.length, model: s.model, reasoning: '', text: '', status: 'streaming', usage: null, error: null, tps: null, seconds: null, responseId: null };
     c.turns.push(turn);
     const view = addView(turn);
     input.value = '';
@@ -318,7 +393,7 @@ export function mount(root, _params, query) {
       frame ||= requestAnimationFrame(render);
     };
     try {
-      const done = await c.session.turn({ ...s, text, signal: controller.signal }, {
+      const done = await c.session.turn({ ...s, text, images, signal: controller.signal }, {
         onStart: (id) => { turn.responseId = id; },
         onText: (d) => { turn.text += d; delta(); },
         onReasoning: (d) => { turn.reasoning += d; delta(); },

@@ -1,6 +1,6 @@
 // One job: live status over SSE (resuming with Last-Event-ID), the loss
 // chart, the log tail, the result, and cancel / cancel-with-save / resume.
-import { del, getJson, getText, postJson } from './api.js';
+import { connection, del, getJson, getText, postJson } from './api.js';
 import { lineChart, lossSeries } from './chart.js';
 import { badge, errorBox, formatBytes, formatDuration, formatNumber, formatTime, h, progressBar, replace } from './dom.js';
 import { FIELD_LABELS } from './schema.js';
@@ -327,5 +327,17 @@ export function mount(root, [jobId]) {
     const secs = job.status === 'queued' ? Date.now() / 1000 - job.created_at : elapsed(job);
     if (dd && secs !== null) dd.textContent = formatDuration(secs);
   }, 1000);
-  return () => { stream?.close(); clearInterval(logTimer); clearInterval(clock); };
+  // A refresh that failed while the service was away is retried when it is
+  // back, so its error does not outlive the outage.
+  const onOnline = () => {
+    if (!refreshError) return;
+    refreshError.remove();
+    refreshError = null;
+    refreshJob();
+  };
+  connection.addEventListener('online', onOnline);
+  return () => {
+    stream?.close(); clearInterval(logTimer); clearInterval(clock);
+    connection.removeEventListener('online', onOnline);
+  };
 }

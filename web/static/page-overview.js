@@ -30,7 +30,8 @@ function plural(n, word) {
 export function serviceStatus(health, models) {
   const failed = (models || []).filter((m) => m.state === 'failed').length;
   const crashed = (models || []).filter((m) => m.state === 'crashed').length;
-  if (health.status !== 'ok') return { state: 'failed', text: health.status };
+  // "degraded" means a model failed: named below, with the count.
+  if (health.status !== 'ok' && health.status !== 'degraded') return { state: 'failed', text: health.status };
   if (failed) return { state: 'failed', text: `${plural(failed, 'model')} failed` };
   if (crashed) return { state: 'crashed', text: `${plural(crashed, 'model')} restarting after a crash` };
   return { state: 'ready', text: 'ok' };

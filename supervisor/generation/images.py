@@ -1,0 +1,105 @@
+"""Images in requests: ``data:`` URLs decoded and checked before a worker sees them.
+
+Each image is decoded once, here, and refused with a 400 naming its field
+(``messages[0].content[1]``, ``input[0].content[1]``) when it is not a data
+URL, not base64, not a PNG, JPEG, WebP or GIF (by magic bytes, as the worker
+tells them), or too large. A request's images all travel to the worker in
+one IPC frame, so their total is bounded below the frame limit too.
+
+Remote (``http(s)``) image URLs are refused: nothing here fetches them.
+Fetching (with its own size, time and address limits) would need a setting
+to turn it on; that is future work.
+"""
+
+from __future__ import annotations
+
+import binascii
+from dataclasses import dataclass, field
+
+from supervisor.errors import BadRequest
+from worker.images import image_format
+from worker.protocol import MAX_FRAME, MAX_IMAGE_BYTES, MAX_IMAGES, ModelFacts
+
+# What a request's images may total: the frame also carries the messages,
+# tools and template, so a quarter of it stays for them.
+MAX_TOTAL_IMAGE_BYTES = MAX_FRAME * 3 // 4
+# base64 text of the largest image allowed (4 chars per 3 bytes), plus slack
+# for line breaks: anything longer is refused before it is decoded.
+_MAX_B64_CHARS = (MAX_IMAGE_BYTES + 2) // 3 * 4 + 4096
+_MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "gif": "image/gif"}
+
+
+def decode_data_url(url: str, param: str) -> bytes:
+    """The image bytes of a base64 ``data:`` URL; a 400 naming ``param`` otherwise."""
+    scheme = url[:8].lower()
+    if scheme.startswith(("http://", "https:/")):
+        raise BadRequest("remote image URLs are off: send the image inline as a base64 data: URL",
+                         param=param, code="unsupported_image_url")
+    if not scheme.startswith("data:"):
+        raise BadRequest("an image URL must be a base64 data: URL (data:image/png;base64,...)",
+                         param=param, code="invalid_image_url")
+    header, comma, payload = url.partition(",")
+    if not comma or not header.lower().endswith(";base64"):
+        raise BadRequest("an image data: URL must be base64 (data:image/png;base64,...)",
+                         param=param, code="invalid_image_url")
+    if len(payload) > _MAX_B64_CHARS:
+        raise BadRequest(f"the image is larger than {MAX_IMAGE_BYTES} bytes", param=param,
+                         code="image_too_large")
+    try:
+        # Strict: trailing junk or stray characters are refused, not skipped.
+        data = binascii.a2b_base64(payload, strict_mode=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadRequest(f"the image data is not valid base64: {exc}", param=param,
+                         code="invalid_image") from exc
+    if len(data) > MAX_IMAGE_BYTES:
+        raise BadRequest(f"the image has {len(data)} bytes; at most {MAX_IMAGE_BYTES}", param=param,
+                         code="image_too_large")
+    kind = image_format(data)
+    if kind is None:
+        raise BadRequest("the image is not a PNG, JPEG, WebP or GIF file", param=param,
+                         code="invalid_image")
+    declared = header[5:].split(";", 1)[0].strip().lower()
+    if declared and declared.startswith("image/") and declared not in _MEDIA_TYPES.values():
+        raise BadRequest(f"unsupported image type {declared}; PNG, JPEG, WebP and GIF are",
+                         param=param, code="invalid_image")
+    return data
+
+
+@dataclass
+class Images:
+    """A request's images in the order their parts place them."""
+
+    data: list[bytes] = field(default_factory=list)
+    # The field of each image, for errors raised after collection (no vision).
+    params: list[str] = field(default_factory=list)
+    total: int = 0
+
+    def add(self, url: str, param: str) -> None:
+        if len(self.data) >= MAX_IMAGES:
+            raise BadRequest(f"more than {MAX_IMAGES} images in one request", param=param,
+                             code="too_many_images")
+        data = decode_data_url(url, param)
+        self.add_decoded(data, param)
+
+    def add_decoded(self, data: bytes, param: str) -> None:
+        if len(self.data) >= MAX_IMAGES:
+            raise BadRequest(f"more than {MAX_IMAGES} images in one request", param=param,
+                             code="too_many_images")
+        if self.total + len(data) > MAX_TOTAL_IMAGE_BYTES:
+            raise BadRequest(f"the request's images total more than {MAX_TOTAL_IMAGE_BYTES} bytes",
+                             param=param, code="image_too_large")
+        self.data.append(data)
+        self.params.append(param)
+        self.total += len(data)
+
+
+def no_vision_message(model: str, vision_error: str = "") -> str:
+    text = f"model '{model}' takes no images: it has no vision projector (mmproj) loaded"
+    return f"{text} ({vision_error})" if vision_error else text
+
+
+def require_vision(model: str, images: Images, facts: ModelFacts) -> None:
+    """A 400 naming the first image when the loaded model cannot take images."""
+    if images.data and not facts.vision:
+        raise BadRequest(no_vision_message(model, facts.vision_error), param=images.params[0],
+                         code="vision_unavailable")
