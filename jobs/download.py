@@ -23,18 +23,15 @@ jobs.download`` runs it standalone with the same stdin/stdout protocol.
 
 from __future__ import annotations
 
-import fnmatch
 import os
-import re
-import shutil
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Self, cast
 
 import msgspec
 
@@ -48,149 +45,22 @@ from jobs.context import (
     check_stop,
 )
 from jobs.download_params import DownloadParams
-from jobs.events import JobIO
-from jobs.gguf_names import group_gguf_files, hf_model_id, model_stem
 
 # Read granularity: progress and cancel react within one chunk.
+from jobs.download_plan import (
+    RemoteFile,
+    cache_repo_dir,
+    choose_files,
+    free_disk,
+    gb,
+    plan_download,
+    redact,
+)
+from jobs.events import JobIO
+from jobs.gguf_names import hf_model_id
+
 CHUNK_BYTES = 1024 * 1024
-# Kept free on the cache's disk beyond the files themselves.
-DISK_MARGIN_BYTES = 64 * 1024 * 1024
 PROGRESS_INTERVAL_S = 0.5
-
-
-class RemoteFile(msgspec.Struct, frozen=True):
-    path: str
-    size: int
-    blob: str  # the cache's blob name: LFS sha256, else the git blob id
-
-
-class Plan(msgspec.Struct):
-    files: list[RemoteFile]
-    cached: list[str]  # paths whose blob is already in the cache
-    model_key: str | None  # the GGUF model chosen, when the choice was by model
-
-    @property
-    def to_fetch(self) -> int:
-        return sum(f.size for f in self.files if f.path not in self.cached)
-
-
-def redact(text: str, secret: str | None) -> str:
-    return text.replace(secret, "***") if secret else text
-
-
-def quant_matches(stem: str, quant: str) -> bool:
-    """``Q4_K`` matches ``x-Q4_K`` but not ``x-Q4_K_M``; ``Q4_XS`` not ``IQ4_XS``."""
-    pattern = rf"(?<![A-Za-z0-9]){re.escape(quant)}(?![A-Za-z0-9_])"
-    return re.search(pattern, stem, re.IGNORECASE) is not None
-
-
-def _variants(files: Sequence[RemoteFile]) -> tuple[dict[str, list[RemoteFile]], list[RemoteFile]]:
-    by_path = {f.path: f for f in files}
-    models, projectors = group_gguf_files(by_path)
-    complete = {k: [by_path[p] for p in v] for k, v in models.items() if v}
-    return complete, [by_path[p] for p in projectors]
-
-
-def _projector(projectors: list[RemoteFile]) -> list[RemoteFile]:
-    if not projectors:
-        return []
-    f16 = [p for p in projectors if "f16" in p.path.lower()]
-    return [sorted(f16 or projectors, key=lambda p: p.path)[0]]
-
-
-def choose_files(
-    files: Sequence[RemoteFile], params: DownloadParams
-) -> tuple[list[RemoteFile], str | None]:
-    """The files to fetch and the GGUF model key they make up (if any)."""
-    if params.patterns:
-        chosen = [f for f in files if any(fnmatch.fnmatch(f.path, p) for p in params.patterns)]
-        if not chosen:
-            raise JobError(f"no file in {params.repo_id} matches {', '.join(params.patterns)}")
-        return chosen, None
-    variants, projectors = _variants(files)
-    if not variants:
-        raise JobError(f"{params.repo_id} has no complete GGUF model")
-    if params.quant is not None:
-        keys = [k for k in variants if quant_matches(model_stem(k + ".gguf"), params.quant)]
-        if not keys:
-            raise JobError(
-                f"{params.repo_id} has no {params.quant} file;"
-                f" available: {', '.join(sorted(variants))}"
-            )
-        if len(keys) > 1:
-            raise JobError(
-                f"{params.quant} is ambiguous in {params.repo_id}: {', '.join(sorted(keys))}"
-            )
-    elif len(variants) == 1:
-        keys = list(variants)
-    else:
-        raise JobError(
-            f"{params.repo_id} has {len(variants)} GGUF models; choose one with quant or patterns:"
-            f" {', '.join(sorted(variants))}"
-        )
-    extra = _projector(projectors) if params.mmproj else []
-    return variants[keys[0]] + extra, keys[0]
-
-
-def cache_repo_dir(cache_dir: Path, repo_id: str) -> Path:
-    return cache_dir / ("models--" + repo_id.replace("/", "--"))
-
-
-def cached_blobs(cache_dir: Path, repo_id: str, files: Sequence[RemoteFile]) -> list[str]:
-    """Paths of ``files`` whose blob is already complete in the cache."""
-    blobs = cache_repo_dir(cache_dir, repo_id) / "blobs"
-    out = []
-    for f in files:
-        blob = blobs / f.blob
-        if blob.is_file() and blob.stat().st_size == f.size:
-            out.append(f.path)
-    return out
-
-
-def free_disk(path: Path) -> int:
-    """Free bytes on the disk that holds (or will hold) ``path``."""
-    probe = path
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
-
-
-def plan_download(
-    files: Sequence[RemoteFile],
-    params: DownloadParams,
-    cache_dir: Path,
-    free_bytes: int,
-    log: Callable[[str], None],
-) -> Plan:
-    """Choose the files and check they fit on disk (or fall back to a smaller variant)."""
-    chosen, key = choose_files(files, params)
-    plan = Plan(chosen, cached_blobs(cache_dir, params.repo_id, chosen), key)
-    if plan.to_fetch + DISK_MARGIN_BYTES <= free_bytes:
-        return plan
-    need = (
-        f"{params.repo_id}: {_gb(plan.to_fetch)} to download but only {_gb(free_bytes)}"
-        " free on the cache disk"
-    )
-    if not params.fallback_smaller or key is None:
-        raise JobError(f"not enough disk space: {need}")
-    variants, projectors = _variants(files)
-    size = sum(f.size for f in variants[key])
-    smaller = sorted(
-        ((sum(f.size for f in v), k) for k, v in variants.items() if sum(f.size for f in v) < size),
-        reverse=True,
-    )
-    extra = _projector(projectors) if params.mmproj else []
-    for _, other in smaller:
-        candidate = variants[other] + extra
-        alt = Plan(candidate, cached_blobs(cache_dir, params.repo_id, candidate), other)
-        if alt.to_fetch + DISK_MARGIN_BYTES <= free_bytes:
-            log(f"not enough disk for {key}; falling back to {other}")
-            return alt
-    raise JobError(f"not enough disk space even for the smallest variant: {need}")
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
 
 
 class Reporter:
@@ -232,15 +102,15 @@ class Reporter:
             t0, b0 = self._samples[0]
             rate = (self._done - b0) / (now - t0) if now > t0 else 0.0
             left = max(self._total - self._done, 0)
-            data: dict[str, Any] = dict(
-                bytes_done=self._done,
-                bytes_total=self._total,
-                rate=round(rate, 1),
-                eta_s=round(left / rate, 1) if rate > 0 else None,
-                file=self._file,
-                file_index=self._index,
-                files=self._count,
-            )
+            data: dict[str, Any] = {
+                "bytes_done": self._done,
+                "bytes_total": self._total,
+                "rate": round(rate, 1),
+                "eta_s": round(left / rate, 1) if rate > 0 else None,
+                "file": self._file,
+                "file_index": self._index,
+                "files": self._count,
+            }
             fraction = self._done / self._total if self._total else 1.0
         self._io.progress(fraction, **data)
 
@@ -257,7 +127,7 @@ class _ByteBar:
     def close(self) -> None:
         """Nothing to release."""
 
-    def __enter__(self) -> _ByteBar:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -359,7 +229,7 @@ def _run(io: JobIO, params: DownloadParams, token: str | None) -> dict[str, obje
     plan = plan_download(remote, params, cache_dir, free_disk(cache_dir), io.log)
     reused = sum(f.size for f in plan.files if f.path in plan.cached)
     io.log(
-        f"{len(plan.files)} file(s), {_gb(plan.to_fetch)} to fetch, {_gb(reused)} already cached"
+        f"{len(plan.files)} file(s), {gb(plan.to_fetch)} to fetch, {gb(reused)} already cached"
     )
     reporter = Reporter(io, plan.to_fetch)
     bar = partial(_ByteBar, reporter)

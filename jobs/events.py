@@ -5,7 +5,7 @@ job's stdin (``{"params": {...}, "context": {...}}``) and keeps the pipe open;
 EOF on stdin means the parent is gone and the job exits at once. The job writes
 NDJSON events to stdout, one object per line: ``{"type": T, "data": {...}}``
 with T one of ``started``, ``log``, ``stage``, ``progress``, ``metric``,
-``done``, ``failed``. Exactly one ``done`` (data ``{"result": {...}}``) or
+``done``, ``failed``: the tagged structs below, which the parent decodes once. Exactly one ``done`` (data ``{"result": {...}}``) or
 ``failed`` (data ``{"error": "..."}``) ends a job. SIGTERM asks the job to
 stop at the next step boundary (:attr:`JobIO.stop_requested`).
 """
@@ -24,9 +24,79 @@ import msgspec
 EventType = Literal["started", "log", "stage", "progress", "metric", "done", "failed"]
 
 
-class JobEvent(msgspec.Struct):
-    type: EventType
+class _Event(msgspec.Struct, tag_field="type"):
+    """One line of a job's stdout: ``{"type": T, "data": {...}}``.
+
+    ``data`` is stored and streamed as the job wrote it (kinds add fields of
+    their own); the properties are the parent's typed view of the fields it
+    acts on, ``None`` where the job sent none of that type.
+    """
+
     data: dict[str, Any] = {}
+
+    @property
+    def message(self) -> str | None:
+        msg = self.data.get("message")
+        return msg if isinstance(msg, str) else None
+
+
+class Started(_Event, tag="started"):
+    pass
+
+
+class Log(_Event, tag="log"):
+    pass
+
+
+class Stage(_Event, tag="stage"):
+    @property
+    def stage(self) -> str | None:
+        name = self.data.get("stage")
+        return name if isinstance(name, str) else None
+
+
+class Progress(_Event, tag="progress"):
+    @property
+    def fraction(self) -> float | None:
+        value = self.data.get("progress")
+        if not isinstance(value, int | float):
+            return None
+        return min(1.0, max(0.0, float(value)))
+
+
+class Metric(_Event, tag="metric"):
+    """An eval loss or a saved checkpoint (``checkpoint``: its path)."""
+
+
+class Done(_Event, tag="done"):
+    @property
+    def result(self) -> dict[str, Any]:
+        value = self.data.get("result")
+        return value if isinstance(value, dict) else {}
+
+
+class Failed(_Event, tag="failed"):
+    @property
+    def error(self) -> str:
+        return str(self.data.get("error"))
+
+
+JobEvent = Started | Log | Stage | Progress | Metric | Done | Failed
+EVENT_CLASSES: dict[str, type[JobEvent]] = {
+    "started": Started, "log": Log, "stage": Stage, "progress": Progress,
+    "metric": Metric, "done": Done, "failed": Failed,
+}
+
+
+def event_type(event: JobEvent) -> EventType:
+    """The wire tag of an event (``"progress"``, ...)."""
+    tag = type(event).__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag  # type: ignore[return-value]
+
+
+def make_event(type_: EventType, data: dict[str, Any]) -> JobEvent:
+    return EVENT_CLASSES[type_](data)
 
 
 class JobInput(msgspec.Struct):
@@ -67,7 +137,7 @@ class JobIO:
         return self._stop.is_set()
 
     def emit(self, type_: EventType, **data: Any) -> None:
-        line = self._enc.encode(JobEvent(type_, data)) + b"\n"
+        line = self._enc.encode(make_event(type_, data)) + b"\n"
         with self._lock:
             self._stdout.write(line)
             self._stdout.flush()

@@ -19,7 +19,8 @@ from jobs.events import JobIO
 from jobs.finetune_params import ExportOptions, ExportParams
 from jobs.hf_convert import convert
 from jobs.params import JobParams, QuantizeParams
-from jobs.quantize import check_plan, inspect_model, quantize
+from jobs.quantize import check_plan, quantize
+from jobs.quantize_plan import inspect_model
 
 
 def resolve_model_dir(value: str) -> Path:

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from jobs.errors import ParamError
 from jobs.params import (
     JobParams,
     QuantType,
@@ -23,7 +24,6 @@ from jobs.params import (
     existing_file,
     resolve_path,
 )
-from supervisor.errors import BadRequest
 
 TRAIN_MODULES = ("torch", "transformers", "peft", "safetensors")
 TRAIN_INSTALL_HINT = (
@@ -55,7 +55,7 @@ def resolve_hf_model(value: str, ctx: ResolveContext, param: str) -> str:
         return str(path)
     if _REPO_ID.fullmatch(value) and ".." not in value and not path.exists():
         return value
-    raise BadRequest(
+    raise ParamError(
         f"{param}: {value!r} is not a Hugging Face model dir (a folder with config.json) "
         "in the models dir, nor an owner/name repo id",
         param=param, code="model_not_found",
@@ -67,7 +67,7 @@ def check_output_dir(name: str | None, ctx: ResolveContext, overwrite: bool, par
         return None
     check_name(name, param)
     if (ctx.roots.outputs / name).exists() and not overwrite:
-        raise BadRequest(
+        raise ParamError(
             f"{name} already exists in the outputs dir; set overwrite to replace it",
             param=param, code="output_exists",
         )
@@ -78,7 +78,7 @@ def check_gguf_name(name: str, ctx: ResolveContext, overwrite: bool, param: str)
     name = name if name.endswith(".gguf") else f"{name}.gguf"
     check_name(name, param)
     if (ctx.roots.models / name).exists() and not overwrite:
-        raise BadRequest(
+        raise ParamError(
             f"{name} already exists in the models dir; set overwrite to replace it",
             param=param, code="output_exists",
         )
@@ -169,7 +169,7 @@ class FinetuneParams(JobParams):
     def resolve(self, ctx: ResolveContext) -> None:
         missing = missing_train_modules()
         if missing:
-            raise BadRequest(train_missing_reason("finetune", missing), param="kind",
+            raise ParamError(train_missing_reason("finetune", missing), param="kind",
                              code="train_extra_missing")
         self.model = resolve_hf_model(self.model, ctx, "params.model")
         self.train = str(existing_file(self.train, ctx.roots.datasets, ctx.roots, "params.train"))
@@ -181,11 +181,11 @@ class FinetuneParams(JobParams):
     def _check_fields(self, ctx: ResolveContext) -> None:
         for name in self.target_modules:
             if not _MODULE.fullmatch(name):
-                raise BadRequest(f"target_modules: {name!r} is not a module name", param="params.target_modules")
+                raise ParamError(f"target_modules: {name!r} is not a module name", param="params.target_modules")
         if self.eval_steps is not None and self.eval is None:
-            raise BadRequest("eval_steps needs an eval dataset", param="params.eval_steps")
+            raise ParamError("eval_steps needs an eval dataset", param="params.eval_steps")
         if self.export is not None and not self.merge:
-            raise BadRequest("export needs merge (the merged model is what is exported)", param="params.export")
+            raise ParamError("export needs merge (the merged model is what is exported)", param="params.export")
         if self.export is not None:
             stem = self.output_name or Path(self.model).name + "-finetune"
             if self.export.output_name is None:

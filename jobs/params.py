@@ -22,14 +22,11 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from supervisor.errors import BadRequest
+from jobs.errors import ParamError, unknown_field, validation_param
 
 ModelLookup = Callable[[str], Path | None]
 # An output name is one plain file name: no directories, no hidden files.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
-# msgspec names the failing location as " - at `$.field[0].sub`".
-_AT = re.compile(r" - at `\$\.?([^`]*)`$")
 
 DatasetFormat = Literal["auto", "alpaca", "sharegpt", "messages", "text"]
 QuantType = Literal[
@@ -62,11 +59,11 @@ def resolve_path(value: str, default_root: Path, roots: Roots, param: str) -> Pa
     """A bare name or relative path is taken under ``default_root``; the
     result must lie inside one of the roots after resolving symlinks."""
     if not value or "\x00" in value:
-        raise BadRequest(f"{param} must be a non-empty path", param=param)
+        raise ParamError(f"{param} must be a non-empty path", param=param)
     raw = Path(value).expanduser()
     path = (raw if raw.is_absolute() else default_root / raw).resolve()
     if not any(path.is_relative_to(r.resolve()) for r in roots.all()):
-        raise BadRequest(
+        raise ParamError(
             f"{param} must be inside the models, datasets or outputs directory", param=param
         )
     return path
@@ -75,13 +72,13 @@ def resolve_path(value: str, default_root: Path, roots: Roots, param: str) -> Pa
 def existing_file(value: str, default_root: Path, roots: Roots, param: str) -> Path:
     path = resolve_path(value, default_root, roots, param)
     if not path.is_file():
-        raise BadRequest(f"{param}: no such file {value!r}", param=param, code="file_not_found")
+        raise ParamError(f"{param}: no such file {value!r}", param=param, code="file_not_found")
     return path
 
 
 def check_name(value: str, param: str) -> str:
     if not _NAME.match(value):
-        raise BadRequest(
+        raise ParamError(
             f"{param} must be a plain file name (letters, digits, '.', '_', '-')", param=param
         )
     return value
@@ -104,7 +101,7 @@ class JobParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Base of every kind's params."""
 
     def resolve(self, ctx: ResolveContext) -> None:
-        """Replace user paths by resolved ones; raise BadRequest naming the field."""
+        """Replace user paths by resolved ones; raise ParamError naming the field."""
 
     def devices(self, available: Sequence[str]) -> list[str]:
         """The lease devices this job holds while it runs (none by default)."""
@@ -132,9 +129,9 @@ class DatasetParams(JobParams):
             self.model = str(resolve_model(self.model, ctx, "params.model"))
         outputs = dataset_outputs(ctx.roots.datasets, self.output_name)
         if path in outputs:
-            raise BadRequest("output_name would overwrite the input", param="params.output_name")
+            raise ParamError("output_name would overwrite the input", param="params.output_name")
         if not self.overwrite and any(p.exists() for p in outputs):
-            raise BadRequest(
+            raise ParamError(
                 f"outputs for {self.output_name!r} already exist; set overwrite to replace them",
                 param="params.output_name",
                 code="output_exists",
@@ -162,9 +159,9 @@ class QuantizeParams(JobParams):
         self.output_name = check_name(name, "params.output_name")
         out = ctx.roots.models / self.output_name
         if out.resolve() == path:
-            raise BadRequest("output_name would overwrite the input", param="params.output_name")
+            raise ParamError("output_name would overwrite the input", param="params.output_name")
         if out.exists() and not self.overwrite:
-            raise BadRequest(
+            raise ParamError(
                 f"{self.output_name} already exists; set overwrite to replace it",
                 param="params.output_name",
                 code="output_exists",
@@ -239,7 +236,7 @@ def kind_spec(kind: str, *, include_test: bool = True) -> KindSpec:
     try:
         return kinds[kind]
     except KeyError:
-        raise BadRequest(
+        raise ParamError(
             f"unknown job kind {kind!r}; known: {', '.join(sorted(kinds))}", param="kind"
         ) from None
 
@@ -250,12 +247,10 @@ def decode_params(kind: str, raw: Mapping[str, Any], *, include_test: bool = Tru
     try:
         return msgspec.convert(dict(raw), spec.params)
     except msgspec.ValidationError as exc:
-        # Not supervisor.api.io's helper: the job process imports this module
-        # and should not pay for importing aiohttp.
-        at = _AT.search(str(exc)) or _UNKNOWN.search(str(exc))
-        field = at.group(1) if at else None
+        at = validation_param(exc)
+        field = at if at is not None else unknown_field(exc)
         param = f"params.{field}" if field else "params"
-        raise BadRequest(f"invalid params for {kind}: {exc}", param=param) from exc
+        raise ParamError(f"invalid params for {kind}: {exc}", param=param) from exc
 
 
 def validate_params(kind: str, raw: Mapping[str, Any], ctx: ResolveContext) -> JobParams:

@@ -18,7 +18,7 @@ import itertools
 import os
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from io import BufferedReader
@@ -33,21 +33,23 @@ from jobs.context import JobContext, JobError, JobStopped
 from jobs.events import JobIO
 from jobs.params import JobParams, QuantizeParams
 from jobs.quantize_native import Kernels
+from jobs.quantize_plan import (
+    TYPES,
+    UNQUANTIZED,
+    Plan,
+    TensorItem,
+    inspect_model,
+    open_gguf,
+    scalar,
+    tensor_items,
+)
 from jobs.quantize_rules import (
-    MIXES,
     Mix,
-    ModelFacts,
-    TensorSpec,
-    is_quantizable,
     n_dims,
-    plan_types,
-    tensor_order,
 )
 
 Q = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
-TYPES: Mapping[str, Mix] = MIXES
-UNQUANTIZED = frozenset({Q.F32, Q.F16, Q.BF16})
 _DISK_MARGIN = 64 * 1024 * 1024
 # Float values converted per slab: large enough to keep every thread busy,
 # small enough that a stop request is seen within a fraction of a second.
@@ -58,122 +60,6 @@ _SPLIT_KEYS = frozenset({
 })
 # Written last, in this order, as llama.cpp does.
 _REWRITTEN_KEYS = (gguf.Keys.General.QUANTIZATION_VERSION, gguf.Keys.General.FILE_TYPE)
-
-
-@dataclass
-class Plan:
-    """What the header says about the input and the expected output."""
-
-    file_type: int | None
-    quantized: bool
-    estimate_bytes: int
-    incompatible: list[tuple[str, int]]
-    quantizable: int
-
-
-@dataclass(frozen=True)
-class _Item:
-    """One tensor to write: where it is in the input and what it becomes."""
-
-    name: str
-    shape: tuple[int, ...]
-    src_type: Q
-    dst_type: Q
-    offset: int
-    n_bytes: int
-
-    @property
-    def n_per_row(self) -> int:
-        return self.shape[0]
-
-    @property
-    def n_rows(self) -> int:
-        return int(np.prod(self.shape[1:], dtype=np.int64))
-
-    def out_bytes(self) -> int:
-        block, size = gguf.GGML_QUANT_SIZES[self.dst_type]
-        return self.n_per_row // block * size * self.n_rows
-
-
-def _open(path: Path) -> gguf.GGUFReader:
-    with path.open("rb") as f:
-        if f.read(4) != b"GGUF":
-            raise JobError(f"{path.name} is not a GGUF file")
-    try:
-        return gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as exc:
-        raise JobError(f"{path.name} is not a readable GGUF file: {exc}") from exc
-
-
-def _scalar(reader: gguf.GGUFReader, key: str) -> Any:
-    """A field's value, or the first element of an array field; None when absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    value = field.contents()
-    return value[0] if isinstance(value, list) else value
-
-
-def _facts(reader: gguf.GGUFReader) -> ModelFacts:
-    arch = _scalar(reader, gguf.Keys.General.ARCHITECTURE)
-    if not isinstance(arch, str):
-        raise JobError("the model has no general.architecture")
-    n_layer = _scalar(reader, f"{arch}.block_count")
-    if n_layer is None:
-        raise JobError(f"the model has no {arch}.block_count")
-    n_head = int(_scalar(reader, f"{arch}.attention.head_count") or 0)
-    n_head_kv = _scalar(reader, f"{arch}.attention.head_count_kv")
-    return ModelFacts(
-        arch=arch, n_layer=int(n_layer), n_head=n_head,
-        n_head_kv=n_head if n_head_kv is None else int(n_head_kv),
-        n_expert=int(_scalar(reader, f"{arch}.expert_count") or 0),
-    )
-
-
-def _specs(reader: gguf.GGUFReader) -> list[TensorSpec]:
-    return [TensorSpec(str(t.name), tuple(int(d) for d in t.shape), Q(int(t.tensor_type)))
-            for t in reader.tensors]
-
-
-def _type_plan(reader: gguf.GGUFReader, mix: Mix) -> dict[str, Q]:
-    try:
-        return plan_types(_specs(reader), mix, _facts(reader))
-    except ValueError as exc:
-        raise JobError(f"cannot plan the tensor types: {exc}") from exc
-
-
-def _items(reader: gguf.GGUFReader, mix: Mix) -> list[_Item]:
-    """The tensors in llama.cpp's output order, each with its output type."""
-    types = _type_plan(reader, mix)
-    items = [
-        _Item(str(t.name), tuple(int(d) for d in t.shape), Q(int(t.tensor_type)),
-              types[str(t.name)], int(t.data_offset), int(t.n_bytes))
-        for t in reader.tensors
-    ]
-    return sorted(items, key=lambda i: tensor_order(i.name))
-
-
-def inspect_model(path: Path, type_name: str) -> Plan:
-    """Read the GGUF header (memory-mapped) and plan the conversion."""
-    reader = _open(path)
-    field = reader.fields.get(gguf.Keys.General.FILE_TYPE)
-    file_type = int(field.parts[field.data[0]][0]) if field is not None else None
-    mix = TYPES[type_name]
-    block = gguf.GGML_QUANT_SIZES[mix.base][0]
-    arch = str(_scalar(reader, gguf.Keys.General.ARCHITECTURE))
-    items = _items(reader, mix)
-    estimate = path.stat().st_size - sum(i.n_bytes for i in items)
-    incompatible, quantizable, quantized = [], 0, False
-    for item in items:
-        quantized = quantized or item.src_type not in UNQUANTIZED
-        estimate += item.out_bytes()
-        if is_quantizable(item.name, item.shape, arch):
-            quantizable += 1
-            if item.n_per_row % block:
-                incompatible.append((item.name, item.n_per_row))
-    if file_type is not None and file_type not in (0, 1, 32):
-        quantized = True
-    return Plan(file_type, quantized, estimate, incompatible, quantizable)
 
 
 def check_plan(io: JobIO, plan: Plan, params: QuantizeParams, out_dir: Path) -> None:
@@ -231,8 +117,8 @@ def _copy_kv(io: JobIO, reader: gguf.GGUFReader, writer: gguf.GGUFWriter, mix: M
     writer.add_uint32(gguf.Keys.General.FILE_TYPE, int(mix.ftype))
 
 
-def _write_header(io: JobIO, reader: gguf.GGUFReader, items: list[_Item], mix: Mix, tmp: Path) -> None:
-    arch = _scalar(reader, gguf.Keys.General.ARCHITECTURE)
+def _write_header(io: JobIO, reader: gguf.GGUFReader, items: list[TensorItem], mix: Mix, tmp: Path) -> None:
+    arch = scalar(reader, gguf.Keys.General.ARCHITECTURE)
     writer = gguf.GGUFWriter(tmp, str(arch))
     writer.data_alignment = reader.alignment
     _copy_kv(io, reader, writer, mix)
@@ -248,10 +134,10 @@ def _write_header(io: JobIO, reader: gguf.GGUFReader, items: list[_Item], mix: M
         writer.close()
 
 
-def _check_input(reader: gguf.GGUFReader, items: list[_Item], params: QuantizeParams) -> None:
+def _check_input(reader: gguf.GGUFReader, items: list[TensorItem], params: QuantizeParams) -> None:
     if reader.byte_order != "I":
         raise JobError("big-endian GGUF files are not supported")
-    splits = _scalar(reader, gguf.Keys.Split.LLM_KV_SPLIT_COUNT)
+    splits = scalar(reader, gguf.Keys.Split.LLM_KV_SPLIT_COUNT)
     if splits is not None and int(splits) > 1:
         raise JobError("the model is split into several files; merge them first")
     for item in items:
@@ -301,7 +187,7 @@ class _Slab:
     rows: int
 
 
-def _slab(kernels: Kernels, item: _Item) -> _Slab:
+def _slab(kernels: Kernels, item: TensorItem) -> _Slab:
     rows = max(1, min(item.n_rows, _SLAB_VALUES // item.n_per_row))
     src_row = kernels.row_size(item.src_type, item.n_per_row)
     dst_row = kernels.row_size(item.dst_type, item.n_per_row)
@@ -317,7 +203,7 @@ class _Converter:
         self._pool = pool
         self._threads = threads
 
-    def _part(self, item: _Item, slab: _Slab, rows: tuple[int, int]) -> None:
+    def _part(self, item: TensorItem, slab: _Slab, rows: tuple[int, int]) -> None:
         k, n = self.kernels, item.n_per_row
         src_row, dst_row = k.row_size(item.src_type, n), k.row_size(item.dst_type, n)
         a, b = rows
@@ -329,7 +215,7 @@ class _Converter:
             k.to_float(item.src_type, raw, floats)
         k.quantize_rows(item.dst_type, floats, slab.out[a * dst_row: b * dst_row], n)
 
-    def convert(self, item: _Item, slab: _Slab, nrows: int) -> npt.NDArray[np.uint8]:
+    def convert(self, item: TensorItem, slab: _Slab, nrows: int) -> npt.NDArray[np.uint8]:
         """Convert the first ``nrows`` rows held in ``slab.raw``; returns their output bytes."""
         futures = [self._pool.submit(self._part, item, slab, part)
                    for part in _row_parts(nrows, self._threads)]
@@ -338,7 +224,7 @@ class _Converter:
         return slab.out[: nrows * self.kernels.row_size(item.dst_type, item.n_per_row)]
 
 
-def _slabs(item: _Item, kernels: Kernels, slab: _Slab) -> Iterator[tuple[int, int]]:
+def _slabs(item: TensorItem, kernels: Kernels, slab: _Slab) -> Iterator[tuple[int, int]]:
     """(input byte offset, rows) of each slab of ``item``."""
     src_row = kernels.row_size(item.src_type, item.n_per_row)
     for first in range(0, item.n_rows, slab.rows):
@@ -364,7 +250,7 @@ def _stop_point(io: JobIO) -> None:
         raise JobStopped("stopped on request while quantizing (partial output removed)")
 
 
-def _copy_tensor(src: BufferedReader, out: _Writer, item: _Item, progress: _Progress, n: tuple[int, int]) -> None:
+def _copy_tensor(src: BufferedReader, out: _Writer, item: TensorItem, progress: _Progress, n: tuple[int, int]) -> None:
     buf = np.empty(min(item.n_bytes, _SLAB_VALUES * 4), np.uint8)
     for start in range(0, item.n_bytes, buf.size):
         _stop_point(progress.io)
@@ -374,7 +260,7 @@ def _copy_tensor(src: BufferedReader, out: _Writer, item: _Item, progress: _Prog
         progress.advance(part.size, out.written, *n)
 
 
-def _convert_tensor(src: BufferedReader, out: _Writer, item: _Item, conv: _Converter,
+def _convert_tensor(src: BufferedReader, out: _Writer, item: TensorItem, conv: _Converter,
                     progress: _Progress, n: tuple[int, int]) -> None:
     slab = _slab(conv.kernels, item)
     src_row = conv.kernels.row_size(item.src_type, item.n_per_row)
@@ -392,7 +278,7 @@ def _threads(params: QuantizeParams) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _kernels_for(items: list[_Item]) -> Kernels:
+def _kernels_for(items: list[TensorItem]) -> Kernels:
     """ggml's kernels, checked and prepared for every conversion ``items`` need."""
     kernels = Kernels.load()
     converted = [i for i in items if i.dst_type != i.src_type]
@@ -404,7 +290,7 @@ def _kernels_for(items: list[_Item]) -> Kernels:
     return kernels
 
 
-def _write_tensors(fin: BufferedReader, out: _Writer, items: list[_Item], conv: _Converter,
+def _write_tensors(fin: BufferedReader, out: _Writer, items: list[TensorItem], conv: _Converter,
                    progress: _Progress) -> None:
     for n, item in enumerate(items, 1):
         before = out.written
@@ -421,8 +307,8 @@ def _write_tensors(fin: BufferedReader, out: _Writer, items: list[_Item], conv: 
 def quantize(io: JobIO, src: Path, tmp: Path, params: QuantizeParams, estimate: int) -> None:
     """Write ``src`` quantized to ``params.type`` into ``tmp``."""
     mix = TYPES[params.type]
-    reader = _open(src)
-    items = _items(reader, mix)
+    reader = open_gguf(src)
+    items = tensor_items(reader, mix)
     _check_input(reader, items, params)
     kernels = _kernels_for(items)
     _write_header(io, reader, items, mix, tmp)

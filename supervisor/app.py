@@ -50,8 +50,8 @@ from supervisor.models.library import ModelLibrary
 from supervisor.models.source import LibrarySource, ensure_demo_model
 from supervisor.responses.store import RESPONSES_OWNER_SCHEMA
 from supervisor.workers.engine_check import EngineCheck
-from supervisor.workers.handle import Timing
 from supervisor.workers.pool import WorkerPool
+from supervisor.workers.spec import Timing
 
 log = logging.getLogger("gpuvisor.http")
 

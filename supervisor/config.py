@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from supervisor.api.io import validation_param
+from jobs.errors import validation_param
 
 ENV_PREFIX = "GPUVISOR_"
 

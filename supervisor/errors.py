@@ -10,6 +10,11 @@ from typing import Any
 
 import msgspec
 
+# Re-exported: the one reader of msgspec's error text lives with the jobs,
+# which must not import the parent.
+from jobs.errors import ParamError
+from jobs.errors import validation_param as validation_param  # noqa: PLC0414 - re-exported
+
 
 class ErrorBody(msgspec.Struct):
     message: str
@@ -139,3 +144,8 @@ class Unavailable(ApiError):
     def __init__(self, message: str, *, retry_after: int = 1, code: str | None = None) -> None:
         super().__init__(message, code=code, headers={"Retry-After": str(retry_after)})
         self.retry_after = retry_after
+
+
+def param_error(exc: ParamError) -> BadRequest:
+    """The 400 for invalid job params (the job side raises its own type)."""
+    return BadRequest(exc.message, param=exc.param, code=exc.code)

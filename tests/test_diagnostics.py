@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from supervisor.logs import access_level
-from supervisor.workers.handle import (
+from supervisor.workers.crash import (
     FAULT_MARKER,
     crash_reason,
     exit_reason,

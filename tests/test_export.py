@@ -24,9 +24,9 @@ import pytest
 pytest.importorskip("transformers", reason="needs the train extra")
 
 from jobs.context import JobError
+from jobs.errors import ParamError
 from jobs.hf_convert import OutType, convert
 from jobs.params import ResolveContext, validate_params
-from supervisor.errors import BadRequest
 from tests.jobsupport import make_roots, running_lab, wait_finished
 from tests.tiny_hf import build_tiny_model, copy_model
 
@@ -234,7 +234,7 @@ async def test_export_job_quantizes_into_models_dir(models: dict[str, Path], tmp
         reader = gguf.GGUFReader(str(lab.roots.models / "tiny-hf-Q8_0.gguf"))
         assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q8_0)
         assert result["converted"]["seconds"] >= 0 and result["quantized"]["type"] == "Q8_0"
-        with pytest.raises(BadRequest) as exc:  # the output exists now
+        with pytest.raises(ParamError) as exc:  # the output exists now
             validate_params("export", {"model": "tiny-hf", "quantize": "Q8_0"}, ctx)
         assert exc.value.param == "params.output_name" and exc.value.code == "output_exists"
 
@@ -248,6 +248,6 @@ def test_export_params_validation(tmp_path: Path) -> None:
         ({"model": "x", "outtype": "Q4"}, "params.outtype"),
         ({"model": "x", "quantize": "Q9"}, "params.quantize"),
     ]:
-        with pytest.raises(BadRequest) as exc:
+        with pytest.raises(ParamError) as exc:
             validate_params("export", raw, ctx)
         assert exc.value.param == param, raw

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("peft", reason="needs the train extra")
 
 from jobs.context import JobError
+from jobs.errors import ParamError
 from jobs.finetune_ckpt import complete_checkpoints, newest_checkpoint
 from jobs.finetune_params import FinetuneParams
 from jobs.params import ResolveContext, validate_params
@@ -199,7 +200,7 @@ def test_params_validation_names_the_field(tmp_path: Path, monkeypatch: pytest.M
         ({"merge": False, "export": {"quantize": "Q8_0"}}, "params.export"),
     ]
     for over, param in cases:
-        with pytest.raises(BadRequest) as exc:
+        with pytest.raises(ParamError) as exc:
             validate_params("finetune", {**ok, **over}, ctx)
         assert exc.value.param == param, (over, exc.value.message)
     params = validate_params("finetune", ok, ctx)
@@ -210,7 +211,7 @@ def test_params_validation_names_the_field(tmp_path: Path, monkeypatch: pytest.M
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "peft" else real(name, *a))
-    with pytest.raises(BadRequest) as exc:
+    with pytest.raises(ParamError) as exc:
         validate_params("finetune", ok, ctx)
     assert exc.value.code == "train_extra_missing" and "gpuvisor[train]" in exc.value.message
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from jobs.errors import ParamError
 from jobs.params import (
     DatasetParams,
     QuantizeParams,
@@ -21,7 +22,6 @@ from jobs.params import (
     params_dict,
     validate_params,
 )
-from supervisor.errors import BadRequest
 from supervisor.models.demo import write_tiny_gguf
 from tests.jobsupport import make_roots, running_lab, wait_finished
 from tests.quantize_ref import generated_tokens
@@ -116,28 +116,28 @@ def test_params_validation_and_roots(tmp_path: Path) -> None:
     (roots.datasets / "x.jsonl").write_text("{}\n")
     outside = tmp_path / "secret.jsonl"
     outside.write_text("{}\n")
-    with pytest.raises(BadRequest) as e:
+    with pytest.raises(ParamError) as e:
         validate_params("dataset", {"input": str(outside)}, ctx)
     assert e.value.param == "params.input"
-    with pytest.raises(BadRequest) as e:
+    with pytest.raises(ParamError) as e:
         validate_params("dataset", {"input": "../secret.jsonl"}, ctx)
     assert e.value.param == "params.input"
-    with pytest.raises(BadRequest) as e:
+    with pytest.raises(ParamError) as e:
         validate_params("dataset", {"input": "x.jsonl", "eval_ratio": 2}, ctx)
     assert e.value.param == "params.eval_ratio"
-    with pytest.raises(BadRequest) as e:
+    with pytest.raises(ParamError) as e:
         validate_params("dataset", {"input": "x.jsonl", "bogus": 1}, ctx)
     assert e.value.param == "params.bogus"
-    with pytest.raises(BadRequest) as e:
+    with pytest.raises(ParamError) as e:
         validate_params("dataset", {"input": "x.jsonl", "output_name": "../evil"}, ctx)
     assert e.value.param == "params.output_name"
-    with pytest.raises(BadRequest) as e:
+    with pytest.raises(ParamError) as e:
         validate_params("nope", {}, ctx)
     assert e.value.param == "kind"
-    with pytest.raises(BadRequest) as e:
+    with pytest.raises(ParamError) as e:
         validate_params("quantize", {"model": "missing", "type": "Q8_0"}, ctx)
     assert e.value.param == "params.model"
-    with pytest.raises(BadRequest) as e:
+    with pytest.raises(ParamError) as e:
         validate_params("quantize", {"model": "x", "type": "Q9"}, ctx)
     assert e.value.param == "params.type"
 

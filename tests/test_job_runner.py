@@ -9,9 +9,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import msgspec
 import psutil
 
 from jobs.context import EXIT_STOPPED
+from jobs.events import Done, Failed, Log, Progress, Stage
 from supervisor.lab.job_process import EventFramer, group_alive
 from supervisor.lab.store import JOBS_MIGRATIONS
 from tests.jobsupport import open_store, running_lab, wait_finished, wait_for
@@ -118,7 +120,9 @@ async def test_job_waits_for_the_lease(tmp_path: Path) -> None:
         await lab.lease.acquire_job("job_other", "test", ["cpu"], 0)
         job, _ = await lab.runner.submit("sleep", SleepParams(steps=1, step_seconds=0))
         waiting = await wait_for(lab.store, job.id, lambda j: j.stage == "waiting for device")
-        assert waiting.pid is None
+        # Queued until it holds the device; the stage says what it waits for.
+        assert waiting.status == "queued" and waiting.pid is None and waiting.attempt == 0
+        assert waiting.message == "waiting for cpu"
         assert lab.lease.snapshot()["waiters"][0]["job_id"] == job.id
         lab.lease.release_job("job_other")
         assert (await wait_finished(lab.store, job.id)).status == "succeeded"
@@ -134,6 +138,20 @@ async def test_cancel_while_waiting_for_the_lease(tmp_path: Path) -> None:
         await lab.runner.cancel(job.id)
         done = await wait_finished(lab.store, job.id)
         assert done.status == "cancelled" and done.pid is None
+        assert lab.lease.snapshot()["waiters"] == []
+        lab.lease.release_job("job_other")
+
+
+async def test_shutdown_leaves_a_job_waiting_for_the_lease_queued(tmp_path: Path) -> None:
+    from jobs.params import SleepParams
+
+    async with running_lab(tmp_path) as lab:
+        await lab.lease.acquire_job("job_other", "test", ["cpu"], 0)
+        job, _ = await lab.runner.submit("sleep", SleepParams(steps=1))
+        await wait_for(lab.store, job.id, lambda j: j.stage == "waiting for device")
+        await lab.runner.stop()
+        after = await lab.store.get(job.id)
+        assert (after.status, after.attempt, after.pid) == ("queued", 0, None)
         assert lab.lease.snapshot()["waiters"] == []
         lab.lease.release_job("job_other")
 
@@ -196,14 +214,32 @@ def test_framer_survives_garbage_and_long_lines() -> None:
     framer = EventFramer(max_line_bytes=100)
     out = framer.feed(b'{"type":"log","data":{"message":"a"}}\n\nnot json\n{"type":"bogus"}\n')
     assert out.keepalives == 1
-    assert [t for t, _ in out.events] == ["log", "log", "log"]
-    assert "malformed" in out.events[1][1]["message"]
+    assert [type(e) for e in out.events] == [Log, Log, Log]
+    assert "malformed" in out.events[1].data["message"]
     out = framer.feed(b"x" * 150)
-    assert "dropped" in out.events[0][1]["message"]
+    assert "dropped" in out.events[0].data["message"]
     out = framer.feed(b'yyy\n{"type":"progress","data":{"progress":0.5}}\n')
-    assert out.events == [("progress", {"progress": 0.5})]
+    assert out.events == [Progress({"progress": 0.5})]
     framer.feed(b'{"type":"done","data":{"result":{}}}')
-    assert framer.finish().events == [("done", {"result": {}})]
+    assert framer.finish().events == [Done({"result": {}})]
+
+
+def test_events_are_typed_once_and_keep_what_the_job_wrote() -> None:
+    framer = EventFramer()
+    out = framer.feed(
+        b'{"type":"progress","data":{"progress":1.5,"step":3,"message":"m"}}\n'
+        b'{"type":"stage","data":{"stage":7}}\n'
+        b'{"type":"failed","data":{"error":"boom"}}\n'
+        b'{"type":"done","data":{"result":[1]}}\n'
+    )
+    progress, stage, failed, done = out.events
+    assert isinstance(progress, Progress) and progress.fraction == 1.0 and progress.message == "m"
+    assert progress.data == {"progress": 1.5, "step": 3, "message": "m"}  # stored as written
+    assert isinstance(stage, Stage) and stage.stage is None
+    assert isinstance(failed, Failed) and failed.error == "boom"
+    assert isinstance(done, Done) and done.result == {}
+    assert msgspec.json.decode(msgspec.json.encode(progress)) == {
+        "type": "progress", "data": {"progress": 1.5, "step": 3, "message": "m"}}
 
 
 async def test_store_reopens_cleanly(tmp_path: Path) -> None:

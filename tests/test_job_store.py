@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from jobs.events import Log, Progress, Stage
 from supervisor.db import Database
 from supervisor.errors import Conflict, NotFound
 from supervisor.lab.job_process import kill_leftover_group
@@ -33,8 +34,11 @@ async def test_submit_dedupes_identical_active_jobs(tmp_path: Path) -> None:
         for key in ("id", "kind", "status", "progress", "stage", "message", "params", "result",
                     "error", "created_at", "started_at", "finished_at"):
             assert key in api
-        claimed = await store.claim_next()
-        assert claimed is not None and claimed.id == a.id
+        picked = await store.next_queued()
+        assert picked is not None and picked.id == a.id and picked.status == "queued"
+        claimed = await store.start(a.id)
+        assert claimed is not None and claimed.status == "running"
+        assert await store.start(a.id) is None  # running already
         await store.finish(a.id, "succeeded", result={"ok": 1})
         # Finished jobs no longer block an identical submission.
         d, created_d = await store.submit("sleep", {"steps": 1, "tag": "x"})
@@ -50,8 +54,11 @@ async def test_claim_order_priority_then_age(tmp_path: Path) -> None:
             job, _ = await store.submit("sleep", {"tag": str(i)}, prio)
             ids.append(job.id)
         order = []
-        while (job := await store.claim_next()) is not None:
-            assert job.status == "running" and job.attempt == 1
+        first = await store.next_queued(exclude=[ids[1]])
+        assert first is not None and first.id == ids[3]
+        while (picked := await store.next_queued()) is not None:
+            job = await store.start(picked.id)
+            assert job is not None and job.status == "running" and job.attempt == 1
             order.append(job.id)
         assert order == [ids[1], ids[3], ids[0], ids[2]]
 
@@ -59,15 +66,15 @@ async def test_claim_order_priority_then_age(tmp_path: Path) -> None:
 async def test_events_seq_progress_and_subscribers(tmp_path: Path) -> None:
     async with open_store(tmp_path / "db.sqlite") as store:
         job, _ = await store.submit("sleep", {})
-        await store.claim_next()
+        await store.start(job.id)
         with store.hub.subscribe(job.id) as sub:
             stored = await store.append_events(
                 job.id,
-                [("stage", {"stage": "reading"}), ("progress", {"progress": 0.5, "message": "half"})],
+                [Stage({"stage": "reading"}), Progress({"progress": 0.5, "message": "half"})],
             )
             assert [e.seq for e in stored] == [1, 2]
             assert [e.seq for e in sub.take()] == [1, 2]
-            await store.append_events(job.id, [("log", {"message": "hi"})])
+            await store.append_events(job.id, [Log({"message": "hi"})])
             got = await store.get(job.id)
             assert (got.progress, got.stage, got.message) == (0.5, "reading", "hi")
             assert [e.seq for e in await store.events_after(job.id, 1)] == [2, 3]
@@ -85,7 +92,7 @@ async def test_cancel_queued_running_and_finished(tmp_path: Path) -> None:
         assert cancelled.status == "cancelled" and cancelled.finished_at is not None
         assert (await store.request_cancel(queued.id)).status == "cancelled"
         running, _ = await store.submit("sleep", {"tag": "r"})
-        await store.claim_next()
+        await store.start(running.id)
         job = await store.request_cancel(running.id)
         assert job.status == "running" and job.cancel_requested_at is not None
         await store.finish(running.id, "succeeded")
@@ -150,8 +157,8 @@ async def test_boot_recovery_interrupts_and_kills_leftovers(tmp_path: Path) -> N
         async with open_store(path) as store:
             running, _ = await store.submit("sleep", {"tag": "r"})
             waiting, _ = await store.submit("sleep", {"tag": "w"})
-            await store.claim_next()
-            await store.claim_next()
+            await store.start(running.id)
+            await store.set_stage(waiting.id, "waiting for device", "waiting for cpu")
             await asyncio.sleep(0.3)  # let the leader start its child
             ct = psutil.Process(proc.pid).create_time()
             await store.mark_running(running.id, pid=proc.pid, pgid=proc.pid, create_time=ct,
@@ -161,10 +168,11 @@ async def test_boot_recovery_interrupts_and_kills_leftovers(tmp_path: Path) -> N
         # "Restart": a fresh connection on the same file.
         async with open_store(path) as store:
             report = await store.recover_at_boot()
-            assert report.interrupted == [running.id] and report.requeued == [waiting.id]
+            assert report.interrupted == [running.id] and report.killed_pids == [proc.pid]
             job = await store.get(running.id)
             assert job.status == "interrupted" and job.error == "supervisor restarted"
-            assert (await store.get(waiting.id)).status == "queued"
+            still = await store.get(waiting.id)
+            assert (still.status, still.stage, still.message, still.attempt) == ("queued", None, None, 0)
             assert await store.db.integrity_ok()
         proc.wait(timeout=5)
         deadline = time.monotonic() + 5

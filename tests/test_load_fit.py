@@ -28,18 +28,22 @@ def _load(srv: Server, model: str, **body: object) -> httpx.Response:
 def _busy(srv: Server, model: str) -> Iterator[None]:
     """Keep ``model`` generating in a thread (until the stream is closed)."""
     stop = threading.Event()
+    streaming = threading.Event()
 
     def run() -> None:
-        body = {"model": model, "stream": True, "max_tokens": 400, "ignore_eos": True,
+        body = {"model": model, "stream": True, "max_tokens": 3000, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "go on"}]}
         with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
             for _ in r.iter_lines():
+                streaming.set()
                 if stop.is_set():
                     return
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    srv.wait_worker(lambda w: w["in_flight"] > 0, model=model)
+    # The first line proves the stream is in flight; polling the worker's
+    # counter could miss a short stream on a busy machine.
+    assert streaming.wait(60), "the stream never started"
     yield
     stop.set()
     t.join(30)

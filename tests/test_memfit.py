@@ -10,19 +10,17 @@ from supervisor.app import timing_from
 from supervisor.config import Config, ModelSettings
 from supervisor.models.demo import write_tiny_gguf
 from supervisor.models.gguf_info import GgufError, GgufInfo, TensorSizes, read_gguf_info
-from supervisor.models.library import ModelEntry
-from supervisor.models.memfit import (
+from supervisor.models.kvsize import (
     CACHE_TYPE_SIZES,
-    DoesNotFit,
     KvOptions,
-    choose_context,
     compute_buffer_bytes,
-    free_memory,
-    gib,
     kv_cache_bytes,
 )
+from supervisor.models.library import ModelEntry
+from supervisor.models.memfit import DoesNotFit, choose_context, gib
+from supervisor.models.memory import free_memory
 from supervisor.models.placement import GPU_RUNTIME_RESERVE, shard_tensor_sizes
-from supervisor.workers import pool as pool_module
+from supervisor.workers import room as room_module
 from supervisor.workers.handle import WorkerHandle, WorkerState
 from supervisor.workers.pool import WorkerPool
 from tests import gguf_headers as hdr
@@ -367,7 +365,7 @@ def gpu_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerPoo
     async def measure(_budget: int, _committed: object) -> tuple[int, str]:
         return free[0], "gpu"
 
-    monkeypatch.setattr(pool_module, "measure_free", measure)
+    monkeypatch.setattr(room_module, "measure_free", measure)
     monkeypatch.setattr(WorkerHandle, "start", lambda self: None)
     cfg = Config(n_ctx=1024, min_ctx=1024, load_wait_timeout=0.1)
     models = _Models({"big": _entry(big, "big"), "small": _entry(small, "small")})
@@ -412,7 +410,7 @@ async def test_pool_evicts_idle_models_before_splitting(gpu_pool: tuple[WorkerPo
         calls += 1  # the first look finds the small model in the way
         return (free[0] if calls == 1 else 64 * GIB), "gpu"
 
-    monkeypatch.setattr(pool_module, "measure_free", measure)
+    monkeypatch.setattr(room_module, "measure_free", measure)
     handle = await pool.load("big")
     assert ("small", False) not in pool.handles
     fit = pool.fits[("big", False)]

@@ -32,7 +32,7 @@ import pytest
 from supervisor.config import ModelSettings
 from supervisor.models.demo import write_tiny_gguf
 from supervisor.models.gguf_info import GgufInfo, read_gguf_info
-from supervisor.models.memfit import compute_buffer_bytes, kv_cache_bytes, row_bytes
+from supervisor.models.kvsize import compute_buffer_bytes, kv_cache_bytes, row_bytes
 from supervisor.models.placement import kv_options
 from tests.tiny_models import write_tiny_gemma3
 

@@ -349,12 +349,17 @@ class Engine:
             # A raw prompt's markers mean images only when it carries some.
             if req.images or (req.messages is not None and placements(req) > 0):
                 self._check_images(req)
-            text, extra_stops = self.prompt_text(req)
-            grammar = output_grammar(req.params)
+            try:
+                text, extra_stops = self.prompt_text(req)
+            except ValueError as exc:
+                # A template that fails on this request's data (a filter given
+                # a bad value) is the request's template error, not a grammar's.
+                raise TemplateError(str(exc)) from exc
             if req.images and text.endswith(self.media_marker):
                 # The engine aborts the process on a prompt whose last chunk
                 # is an image (it needs a text token to sample from).
                 raise ImageError("invalid_request", "the prompt ends with an image; text must follow it")
+            grammar = output_grammar(req.params)
         except ImageError as exc:
             emit(exc.reply(req.id))
             return

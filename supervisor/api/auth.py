@@ -31,35 +31,46 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
-import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from supervisor.api.browser import Handler, require_json, security_headers
+from supervisor.api.failures import FailureLimiter, TooManyRequests
 from supervisor.api.io import json_response
-from supervisor.api.proxies import client_key, is_loopback_host
-from supervisor.appkeys import AUTH, CONFIG, DB
-from supervisor.config import AuthMode, Config
-from supervisor.db import Database
-from supervisor.errors import (
-    ApiError,
-    BadRequest,
-    Conflict,
-    NotFound,
-    PayloadTooLarge,
-    RequestTimeout,
-    Unauthorized,
+from supervisor.api.keys import (
+    ADMIN_PREFIX,
+    AUTH_SCHEMA,
+    KeyRecord,
+    KeyStore,
+    hash_secret,
+    hashed_id,
+    key_id_of,
+    new_api_key,
+    parse_config_keys,
+    token_digest,
+    verify_secret,
 )
+from supervisor.api.login import SESSION_COOKIE, add_routes
+from supervisor.api.proxies import is_loopback_host
+from supervisor.appkeys import AUTH, DB
+from supervisor.config import AuthMode, Config
+from supervisor.errors import ApiError, Unauthorized
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# What the app, the CLI and the tests use of authentication, wherever it lives.
+__all__ = [
+    "ADMIN", "AUTH_SCHEMA", "Auth", "FailureLimiter", "KeyRecord", "KeyStore", "Principal", "TooManyRequests",
+    "add_routes", "hash_secret", "hashed_id", "key_id_of", "keys_ctx", "new_api_key", "parse_config_keys",
+    "request_scope", "require_json", "security_headers", "verify_secret",
+]
+
 Role = Literal["user", "admin"]
 # Request key: the API key id whose own stored objects the caller may use; None = all.
 SCOPE = "auth_scope"
@@ -70,67 +81,18 @@ def request_scope(request: web.Request) -> str | None:
     scope = request.get(SCOPE)
     return scope if isinstance(scope, str) else None
 
-AUTH_SCHEMA = [
-    (
-        "CREATE TABLE api_keys ("
-        " id TEXT PRIMARY KEY,"
-        " name TEXT NOT NULL,"
-        " hash TEXT NOT NULL,"
-        " created_at REAL NOT NULL,"
-        " revoked_at REAL)"
-    ),
-    "CREATE UNIQUE INDEX api_keys_active_name ON api_keys(name) WHERE revoked_at IS NULL",
-]
 
-KEY_PREFIX = "gv_"
-ADMIN_PREFIX = "gva_"  # `gpuvisor keys admin-token`
-SESSION_COOKIE = "gpuvisor_session"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/login"})
 PROBE_PATHS = frozenset({"/healthz", "/readyz"})
 # Ours are ~55 characters; a longer bearer is no credential of ours.
 MAX_TOKEN_CHARS = 256
-# The login form is one token: a few KiB, not the API's body limit.
-LOGIN_MAX_BYTES = 4096
-BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-# /v1 and /api routes whose body is not JSON (multipart uploads).
-NON_JSON_BODIES = frozenset({"/api/datasets"})
-# scrypt cost: ~16 MiB and tens of ms once per key per process (then cached).
-_SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 1 << 14, 8, 1
-
-SECURITY_HEADERS = {
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "X-Frame-Options": "DENY",
-    "Cross-Origin-Opener-Policy": "same-origin",
-    # No inline scripts or styles anywhere in the UI.
-    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
-    "img-src 'self' data:; connect-src 'self'; object-src 'none'; base-uri 'none'; "
-    "frame-ancestors 'none'; form-action 'self'",
-}
 
 
 class Forbidden(ApiError):
     status = 403
     type = "permission_error"
     code = "forbidden"
-
-
-class TooManyRequests(ApiError):
-    """Too many failed authentications from this client (429, Retry-After)."""
-
-    status = 429
-    type = "requests"
-    code = "rate_limit_exceeded"
-
-    def __init__(self, message: str, *, retry_after: int) -> None:
-        super().__init__(message, headers={"Retry-After": str(retry_after)})
-
-
-class UnsupportedMediaType(ApiError):
-    status = 415
-    type = "invalid_request_error"
-    code = "unsupported_media_type"
 
 
 class OpenlyExposed(ApiError):
@@ -142,176 +104,6 @@ class OpenlyExposed(ApiError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, headers={"x-should-retry": "false"})
-
-
-# ---------------------------------------------------------------- hashing
-
-
-def hash_secret(secret: str, salt: bytes | None = None) -> str:
-    """``scrypt$N$r$p$salt$digest``; for an admin token, ``$<its id>`` follows
-    (public, like a key's id: it lets a wrong token be refused unhashed)."""
-    salt = salt or secrets.token_bytes(16)
-    digest = hashlib.scrypt(secret.encode(), salt=salt, n=_SCRYPT_N, r=_SCRYPT_R, p=_SCRYPT_P, dklen=32)
-    hashed = f"scrypt${_SCRYPT_N}${_SCRYPT_R}${_SCRYPT_P}${salt.hex()}${digest.hex()}"
-    admin_id = key_id_of(secret, ADMIN_PREFIX)
-    return hashed if admin_id is None else f"{hashed}${admin_id}"
-
-
-def hashed_id(stored: str) -> str | None:
-    """The public id a hash carries (admin tokens hashed since ids were added)."""
-    parts = stored.split("$")
-    return parts[6] if len(parts) == 7 else None
-
-
-def verify_secret(secret: str, stored: str) -> bool:
-    parts = stored.split("$")
-    if len(parts) not in (6, 7) or parts[0] != "scrypt" or not all(p.isdigit() for p in parts[1:4]):
-        return False
-    n, r, p = (int(x) for x in parts[1:4])
-    try:
-        salt, want = bytes.fromhex(parts[4]), bytes.fromhex(parts[5])
-        got = hashlib.scrypt(secret.encode(), salt=salt, n=n, r=r, p=p, dklen=len(want))
-    except ValueError:
-        return False
-    return hmac.compare_digest(got, want)
-
-
-def new_api_key() -> tuple[str, str]:
-    """(public id, full key); the key is shown once and never stored."""
-    key_id = secrets.token_hex(4)
-    return key_id, f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
-
-
-def key_id_of(key: str, prefix: str = KEY_PREFIX) -> str | None:
-    if not key.startswith(prefix):
-        return None
-    key_id, sep, rest = key[len(prefix):].partition("_")
-    return key_id if sep and rest and len(key_id) == 8 else None
-
-
-def _digest(text: str) -> bytes:
-    return hashlib.sha256(text.encode()).digest()
-
-
-@dataclass(frozen=True)
-class KeyRecord:
-    id: str
-    name: str
-    hash: str
-    source: Literal["config", "database"]
-    created_at: float | None = None
-
-
-def parse_config_keys(entries: Sequence[str]) -> dict[str, KeyRecord]:
-    """``api_keys = ["NAME:ID:HASH", ...]`` as printed by ``gpuvisor keys add --print-config``."""
-    out: dict[str, KeyRecord] = {}
-    for entry in entries:
-        name, _, rest = entry.partition(":")
-        key_id, _, hashed = rest.partition(":")
-        if not name or len(key_id) != 8 or not hashed.startswith("scrypt$"):
-            raise ValueError("api_keys entries must look like NAME:ID:scrypt$... "
-                             "(see `gpuvisor keys add NAME --print-config`)")
-        out[key_id] = KeyRecord(key_id, name, hashed, "config")
-    return out
-
-
-# ---------------------------------------------------------------- key store
-
-
-class KeyStore:
-    """API keys in the parent's database."""
-
-    def __init__(self, db: Database, clock: Callable[[], float] = time.time) -> None:
-        self.db = db
-        self.clock = clock
-
-    async def add(self, name: str) -> tuple[KeyRecord, str]:
-        if not name or len(name) > 64 or not name.replace("-", "").replace("_", "").isalnum():
-            raise BadRequest("a key name is 1-64 letters, digits, '-' or '_'", param="name")
-        key_id, key = new_api_key()
-        hashed = await asyncio.to_thread(hash_secret, key)
-        now = self.clock()
-        async with self.db.write() as conn:
-            found = await conn.execute_fetchall(
-                "SELECT 1 FROM api_keys WHERE name = ? AND revoked_at IS NULL", (name,))
-            if found:
-                raise Conflict(f"an active key named {name!r} exists; revoke it first", param="name")
-            await conn.execute("INSERT INTO api_keys (id, name, hash, created_at) VALUES (?, ?, ?, ?)",
-                               (key_id, name, hashed, now))
-        return KeyRecord(key_id, name, hashed, "database", now), key
-
-    async def revoke(self, name_or_id: str) -> KeyRecord:
-        async with self.db.write() as conn:
-            rows = list(await conn.execute_fetchall(
-                "UPDATE api_keys SET revoked_at = ? WHERE (name = ? OR id = ?) AND revoked_at IS NULL "
-                "RETURNING id, name, hash, created_at", (self.clock(), name_or_id, name_or_id)))
-        if not rows:
-            raise NotFound(f"no active key named {name_or_id!r}", param="name")
-        r = rows[0]
-        return KeyRecord(r["id"], r["name"], r["hash"], "database", r["created_at"])
-
-    async def active(self) -> list[KeyRecord]:
-        rows = await self.db.conn.execute_fetchall(
-            "SELECT id, name, hash, created_at FROM api_keys WHERE revoked_at IS NULL ORDER BY created_at")
-        return [KeyRecord(r["id"], r["name"], r["hash"], "database", r["created_at"]) for r in rows]
-
-    async def lookup(self, key_id: str) -> KeyRecord | None:
-        rows = list(await self.db.conn.execute_fetchall(
-            "SELECT id, name, hash, created_at FROM api_keys WHERE id = ? AND revoked_at IS NULL",
-            (key_id,)))
-        return None if not rows else KeyRecord(
-            rows[0]["id"], rows[0]["name"], rows[0]["hash"], "database", rows[0]["created_at"])
-
-    async def any_active(self) -> bool:
-        rows = list(await self.db.conn.execute_fetchall(
-            "SELECT EXISTS(SELECT 1 FROM api_keys WHERE revoked_at IS NULL)"))
-        return bool(rows[0][0])
-
-    async def any_ever(self) -> bool:
-        """A key was ever stored (revoking keeps the row): auth was configured."""
-        rows = list(await self.db.conn.execute_fetchall("SELECT EXISTS(SELECT 1 FROM api_keys)"))
-        return bool(rows[0][0])
-
-
-# ---------------------------------------------------------------- failure budget
-
-
-class FailureLimiter:
-    """Failed authentications per client (``client_key``): a bucket of
-    ``limit`` that refills evenly over ``window`` seconds."""
-
-    def __init__(self, limit: int = 10, window: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic, max_clients: int = 10_000) -> None:
-        self.limit = float(limit)
-        self.rate = limit / window
-        self.clock = clock
-        self.max_clients = max_clients
-        self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, when)
-
-    def _tokens(self, key: str, now: float) -> float:
-        tokens, then = self._buckets.get(key, (self.limit, now))
-        return min(self.limit, tokens + (now - then) * self.rate)
-
-    def check(self, client: str) -> None:
-        """Raise TooManyRequests while ``client`` has no failure left."""
-        tokens = self._tokens(client_key(client), self.clock())
-        if tokens < 1:
-            wait = max(1, math.ceil((1 - tokens) / self.rate))
-            raise TooManyRequests(f"too many failed authentications from this address; retry in {wait} s",
-                                  retry_after=wait)
-
-    def record(self, client: str) -> None:
-        key, now = client_key(client), self.clock()
-        self._buckets[key] = (self._tokens(key, now) - 1, now)
-        if len(self._buckets) > self.max_clients:
-            self._prune(now)
-
-    def _prune(self, now: float) -> None:
-        for key in [k for k in self._buckets if self._tokens(k, now) >= self.limit]:
-            del self._buckets[key]
-        # Still full: the oldest go (so many addresses outrun any per-address budget).
-        while len(self._buckets) > self.max_clients:
-            del self._buckets[next(iter(self._buckets))]
 
 
 # ---------------------------------------------------------------- the gate
@@ -405,7 +197,7 @@ class Auth:
         if not self.admin_token or self.admin_token.startswith("scrypt$"):
             return False
         # Digests of equal length: no timing leak of the token or its length.
-        return hmac.compare_digest(_digest(token), _digest(self.admin_token))
+        return hmac.compare_digest(token_digest(token), token_digest(self.admin_token))
 
     def _admin_candidate(self, token: str) -> _Candidate | None:
         token_id = key_id_of(token, ADMIN_PREFIX)
@@ -436,7 +228,7 @@ class Auth:
         if candidate is None or len(token) > MAX_TOKEN_CHARS:
             self._failed(client)
             return None
-        digest = _digest(token)
+        digest = token_digest(token)
         known = self._verified.get(candidate.slot)
         if known is not None and hmac.compare_digest(known, digest):
             return candidate.who  # verified before: no hashing, and no budget needed
@@ -595,95 +387,9 @@ class _HealthWord(msgspec.Struct):
     status: str = "ok"
 
 
-# ---------------------------------------------------------------- login page
-
-
-_LOGIN_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>gpuvisor: sign in</title></head>
-<body><main><h1>gpuvisor</h1>
-<form method="post" action="login">
-<label>Admin token <input type="password" name="token" autocomplete="current-password" required></label>
-<button type="submit">Sign in</button>
-</form>%s</main></body></html>
-"""
-
-
 async def keys_ctx(app: web.Application) -> AsyncIterator[None]:
     """Database keys become visible once the database is open."""
     app[AUTH].store = KeyStore(app[DB])
     yield
     app[AUTH].store = None
 
-
-async def login_page(request: web.Request) -> web.Response:
-    return web.Response(text=_LOGIN_PAGE % "", content_type="text/html")
-
-
-async def _login_form(request: web.Request) -> Mapping[str, object]:
-    """The form, read under a small limit and the body timeout (as JSON bodies are)."""
-    cfg = request.app[CONFIG]
-    too_large = PayloadTooLarge(f"the login form is limited to {LOGIN_MAX_BYTES} bytes")
-    if request.content_length is not None and request.content_length > LOGIN_MAX_BYTES:
-        raise too_large
-    small = request.clone(client_max_size=LOGIN_MAX_BYTES)
-    try:
-        async with asyncio.timeout(cfg.body_timeout):
-            return await small.post()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise too_large from exc
-    except TimeoutError as exc:
-        raise RequestTimeout(f"the request body did not arrive within {cfg.body_timeout:g} s") from exc
-
-
-async def login(request: web.Request) -> web.StreamResponse:
-    auth = request.app[AUTH]
-    token = (await _login_form(request)).get("token")
-    if not await auth.check_admin_token(token if isinstance(token, str) else "", request.remote or ""):
-        return web.Response(text=_LOGIN_PAGE % "<p>Wrong token.</p>", status=401, content_type="text/html")
-    # Relative redirects keep working when a proxy serves us under a path.
-    resp = web.Response(status=303, headers={"Location": "./"})
-    resp.set_cookie(SESSION_COOKIE, auth.new_session(), httponly=True, samesite="Strict",
-                    secure=request.scheme == "https", path="/", max_age=int(auth.session_ttl))
-    return resp
-
-
-async def logout(request: web.Request) -> web.StreamResponse:
-    sid = request.cookies.get(SESSION_COOKIE)
-    if sid:
-        request.app[AUTH].end_session(sid)
-    resp = web.Response(status=303, headers={"Location": "login"})
-    resp.del_cookie(SESSION_COOKIE, path="/")
-    return resp
-
-
-@web.middleware
-async def require_json(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """A JSON route's body must be declared application/json: a page can POST
-    text/plain or a form to any site without asking, but never JSON. A body
-    declared over the limit is refused for its size first (413, unread)."""
-    if (request.method not in BODY_METHODS or not request.path.startswith(("/v1/", "/api/"))
-            or request.path in NON_JSON_BODIES or not request.body_exists):
-        return await handler(request)
-    limit = request.app[CONFIG].max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-    if request.content_type != "application/json":
-        raise UnsupportedMediaType(
-            f"this route takes a JSON body with Content-Type: application/json, not {request.content_type!r}")
-    return await handler(request)
-
-
-async def security_headers(request: web.Request, response: web.StreamResponse) -> None:
-    """on_response_prepare: also reaches streamed and error responses."""
-    for name, value in SECURITY_HEADERS.items():
-        response.headers.setdefault(name, value)
-
-
-def add_routes(app: web.Application) -> None:
-    app.router.add_get("/login", login_page)
-    app.router.add_post("/login", login)
-    app.router.add_post("/logout", logout)
-
-
-def describe(record: KeyRecord) -> dict[str, Any]:
-    return {"id": record.id, "name": record.name, "source": record.source, "created_at": record.created_at}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from typing import Any, TypeVar
 
 import msgspec
@@ -12,18 +11,11 @@ from aiohttp import web
 
 from supervisor.appkeys import CONFIG
 from supervisor.errors import ApiError, BadRequest, PayloadTooLarge, RequestTimeout
+from supervisor.errors import validation_param as validation_param  # noqa: PLC0414 - re-exported
 
 T = TypeVar("T")
 
 _json_encoder = msgspec.json.Encoder()
-# msgspec names the failing location as " - at `$.field[0].sub`".
-_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
-
-
-def validation_param(exc: msgspec.ValidationError) -> str | None:
-    """The dotted field path msgspec reports for a validation error."""
-    found = _PATH.search(str(exc))
-    return found.group(1) if found else None
 
 
 async def read_body(request: web.Request) -> bytes:

@@ -1,5 +1,5 @@
-"""HTTP routes of the lab: jobs, their events (SSE) and logs, dataset uploads
-and listing, dataset templates and the GPU lease snapshot.
+"""HTTP routes of the lab: jobs, their events (SSE) and logs, and the GPU lease
+snapshot; the dataset routes are in :mod:`supervisor.api.datasets`.
 
 Jobs are scoped to the key that submitted them: a user key sees only its own
 (another key's job is 404) and never a job's process facts (pid, log path);
@@ -13,21 +13,17 @@ app's middleware renders them.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import os
-import re
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import unquote
 
 import msgspec
-from aiohttp import BodyPartReader, MultipartReader, web
-from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp import web
 
-from jobs.formats import FILE_TYPES, TEMPLATES
+from jobs.errors import ParamError
 from jobs.params import ModelLookup, ResolveContext, Roots, validate_params
+from supervisor.api import datasets
 from supervisor.api.auth import key_id_of
 from supervisor.api.io import (
     SseWriter,
@@ -48,18 +44,14 @@ from supervisor.errors import (
     BadRequest,
     Conflict,
     NotFound,
-    PayloadTooLarge,
     Unauthorized,
+    param_error,
 )
 from supervisor.lab.hub import StoredEvent, Subscription
 from supervisor.lab.store import FINISHED, Job, JobStore
 from supervisor.workers.engine_check import EngineBuild
 
-UPLOAD_SUFFIXES = frozenset({".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".txt", ".text", ".parquet"})
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _STATUSES = frozenset({"queued", "running", *FINISHED})
-# GET /api/datasets lists at most this many files, the newest first.
-MAX_LISTED_DATASETS = 1000
 # Event fields that are process facts of the machine: for admins only.
 _ADMIN_EVENT_FIELDS = ("pid", "log_path")
 
@@ -92,9 +84,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/jobs/{id}/cancel", cancel_job)
     app.router.add_post("/api/jobs/{id}/resume", resume_job)
     app.router.add_delete("/api/jobs/{id}", delete_job)
-    app.router.add_post("/api/datasets", upload_dataset)
-    app.router.add_get("/api/datasets", list_datasets)
-    app.router.add_get("/api/dataset/templates", dataset_templates)
+    datasets.add_routes(app)
     app.router.add_get("/api/gpu", gpu_state)
 
 
@@ -148,7 +138,10 @@ async def submit_job(request: web.Request) -> web.Response:
     who = await caller(request)
     settings = request.app[JOB_SETTINGS]
     ctx = ResolveContext(settings.roots, settings.model_lookup, test_kinds=settings.test_job_kinds)
-    params = validate_params(body.kind, body.params, ctx)
+    try:
+        params = validate_params(body.kind, body.params, ctx)
+    except ParamError as exc:
+        raise param_error(exc) from exc
     job, created = await request.app[JOB_RUNNER].submit(body.kind, params, body.priority, who.owner)
     if not who.may_see(job):
         # Deduplicated onto another key's job: say so without showing it.
@@ -319,121 +312,6 @@ async def _stream(
             await sse.data(_event_view(e, who), event=e.type, id=e.seq)
             last = e.seq
         from_db = from_db or lagged or ended
-
-
-# ------------------------------------------------------------------ datasets
-
-
-def _upload_name(filename: str | None) -> str:
-    # Some clients percent-encode the name in Content-Disposition.
-    base = Path(unquote(filename or "")).name
-    stem, dot, suffix = base.rpartition(".")
-    if not dot or f".{suffix.lower()}" not in UPLOAD_SUFFIXES:
-        raise BadRequest(
-            f"file name must end in one of {', '.join(sorted(UPLOAD_SUFFIXES))}", param="file"
-        )
-    stem = _UNSAFE.sub("_", stem).strip("._-")[:100] or "dataset"
-    return f"{stem}.{suffix.lower()}"
-
-
-def _claim_name(tmp: Path, directory: Path, name: str) -> str:
-    """Link the upload under ``name`` or the first free ``stem-N`` variant."""
-    stem, _, suffix = name.rpartition(".")
-    for n in range(10_000):
-        candidate = name if n == 0 else f"{stem}-{n}.{suffix}"
-        try:
-            os.link(tmp, directory / candidate)
-        except FileExistsError:
-            continue
-        return candidate
-    raise BadRequest(f"too many files named like {name}", param="file")
-
-
-async def _file_part(request: web.Request) -> tuple[MultipartReader, BodyPartReader]:
-    try:
-        reader = await request.multipart()
-        # Skipping other fields reads them: a malformed body fails here too.
-        while (part := await reader.next()) is not None:
-            if isinstance(part, BodyPartReader) and part.name == "file":
-                return reader, part
-            await part.release()
-    except (AssertionError, ValueError, KeyError, BadHttpMessage) as exc:
-        raise BadRequest(f"expected a multipart/form-data body: {exc}", param="file") from exc
-    raise BadRequest("multipart field 'file' is missing", param="file")
-
-
-async def _read_to_end(reader: MultipartReader, part: BodyPartReader) -> None:
-    """The file part ended at its boundary and the body at the closing one:
-    a body cut off early (a dropped connection) is no dataset."""
-    cut = BadRequest("the upload was cut off before the end of the multipart body", param="file")
-    if not part.at_eof():
-        raise cut
-    try:
-        while (rest := await reader.next()) is not None:
-            await rest.release()
-    except (AssertionError, ValueError, KeyError, BadHttpMessage) as exc:
-        raise cut from exc
-    if not reader.at_eof():
-        raise cut
-
-
-async def upload_dataset(request: web.Request) -> web.Response:
-    settings = request.app[JOB_SETTINGS]
-    reader, part = await _file_part(request)
-    name = _upload_name(part.filename)
-    directory = settings.roots.datasets
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".upload-{secrets.token_hex(6)}.tmp"
-    size = 0
-    try:
-        with tmp.open("wb") as f:
-            try:
-                while chunk := await part.read_chunk(1 << 16):
-                    size += len(chunk)
-                    if size > settings.max_upload_bytes:
-                        raise PayloadTooLarge(
-                            f"upload exceeds the limit of {settings.max_upload_bytes} bytes", param="file"
-                        )
-                    f.write(chunk)
-            except (AssertionError, ValueError, BadHttpMessage) as exc:
-                raise BadRequest(f"malformed multipart body: {exc}", param="file") from exc
-        await _read_to_end(reader, part)
-        if size == 0:
-            raise BadRequest("the uploaded file is empty", param="file")
-        final = _claim_name(tmp, directory, name)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return json_response({"name": final, "bytes": size}, status=201)
-
-
-def _dataset_files(directory: Path, limit: int) -> list[dict[str, Any]]:
-    """Regular files directly in ``directory``, newest first; symlinks and
-    hidden files (uploads in progress) are left out, so nothing outside is shown."""
-    found: list[tuple[float, str, int]] = []
-    try:
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                if entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
-                    continue
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # removed while listing
-                found.append((st.st_mtime, entry.name, st.st_size))
-    except FileNotFoundError:
-        return []
-    newest = heapq.nlargest(limit, found)
-    return [{"name": name, "bytes": size, "modified": round(mtime, 3)} for mtime, name, size in newest]
-
-
-async def list_datasets(request: web.Request) -> web.Response:
-    directory = request.app[JOB_SETTINGS].roots.datasets
-    files = await asyncio.to_thread(_dataset_files, directory, MAX_LISTED_DATASETS)
-    return json_response({"object": "list", "data": files})
-
-
-async def dataset_templates(request: web.Request) -> web.Response:
-    return json_response({"object": "list", "data": TEMPLATES, "file_types": FILE_TYPES})
 
 
 async def gpu_state(request: web.Request) -> web.Response:

@@ -8,7 +8,6 @@ template thinks, calls become ``tool_calls`` and ``<think>`` text becomes
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import secrets
 import struct
@@ -24,10 +23,11 @@ from aiohttp import web
 from supervisor.api.io import SseWriter, decode_body, json_response
 from supervisor.api.models import model_vision
 from supervisor.api.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
+from supervisor.api.streaming import open_stream
 from supervisor.appkeys import CONFIG, POOL
 from supervisor.errors import ApiError, BadRequest
 from supervisor.generation.images import Images, no_vision_message, require_vision
-from supervisor.generation.parse import Piece, Reasoning, StreamParser, Text, ToolCall
+from supervisor.generation.pieces import Piece, Reasoning, StreamParser, Text, ToolCall
 from supervisor.generation.profile import profile_for
 from supervisor.responses.items import new_id
 from supervisor.responses.logprobs import LogprobEntry, TextLogprobs, chat_logprobs
@@ -131,8 +131,9 @@ class Reply:
     def finish(self) -> Pieces:
         return self._with_logprobs(self._parser.finish() if self._parser is not None else [], None)
 
-    def blamed(self, exc: BadRequest) -> BadRequest:
-        """The pool blames a bad grammar on response_format; a forced call's is tool_choice's."""
+    def in_chat_terms(self, exc: BadRequest) -> BadRequest:
+        """The one place a worker's rejection gets its chat field: the pool blames
+        a bad grammar on response_format; a forced call's is tool_choice's."""
         if self.forced_call and exc.param == "response_format":
             return BadRequest(exc.message, param="tool_choice", code=exc.code)
         return exc
@@ -219,7 +220,7 @@ class _Choice:
         except StopAsyncIteration:
             raise RuntimeError("generation ended without a Done event") from None
         except BadRequest as exc:
-            raise self.reply.blamed(exc) from exc
+            raise self.reply.in_chat_terms(exc) from exc
 
     async def collect(self) -> Collected:
         pieces: list[Piece] = []
@@ -246,30 +247,9 @@ async def _admit(stack: AsyncExitStack, pool: WorkerPool, model: str, reply: Cal
     return choices
 
 
-async def _start(request: web.Request, choice: _Choice,
-                 keepalive_s: float) -> tuple[SseWriter, asyncio.Future[Delta | Done]]:
-    """Commit to a 200 once the first event is in, so a prompt the worker
-    rejects or a failed load is still an HTTP error. A prefill longer than
-    ``keepalive_s`` commits anyway and sends keepalive comments, so a proxy's
-    read timeout does not cut a request with a long prompt."""
-    first = asyncio.ensure_future(choice.next())
-    try:
-        sse = None
-        if not (await asyncio.wait({first}, timeout=keepalive_s))[0]:
-            sse = await SseWriter.start(request)
-            while not (await asyncio.wait({first}, timeout=keepalive_s))[0]:
-                await sse.comment()
-        else:
-            first.result()  # a rejection raises here, before the 200
-            sse = await SseWriter.start(request)
-    finally:
-        first.cancel()  # only still running when the client left: withdraws the request
-    return sse, first
-
-
 async def _stream(request: web.Request, shape: _Shape, choices: list[_Choice],
                   include_usage: bool) -> web.StreamResponse:
-    sse, first = await _start(request, choices[0], request.app[CONFIG].responses_keepalive_s)
+    sse, first = await open_stream(request, choices[0].next(), request.app[CONFIG].responses_keepalive_s)
     try:
         ev = first.result()  # a failure after a long prefill: the stream's error object
         dones = []

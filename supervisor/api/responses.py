@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Literal
@@ -13,6 +12,7 @@ from aiohttp import web
 
 from supervisor.api.auth import request_scope
 from supervisor.api.io import SseWriter, decode_body, json_response
+from supervisor.api.streaming import Keepalive
 from supervisor.appkeys import RESPONSES
 from supervisor.errors import BadRequest
 from supervisor.responses.events import Event
@@ -46,29 +46,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     return json_response(await service.create(valid, owner))
 
 
-class _Activity:
-    """When the stream last wrote, so keepalives fill only real silences."""
-
-    def __init__(self) -> None:
-        self.last = time.monotonic()
-
-
-async def _keepalive(sse: SseWriter, activity: _Activity, interval: float) -> None:
-    # Writes from this task and the handler cannot interleave inside a frame:
-    # each frame is one write() call, and aiohttp shares one drain waiter.
-    while True:
-        await asyncio.sleep(max(0.0, activity.last + interval - time.monotonic()))
-        if time.monotonic() - activity.last >= interval:
-            await sse.comment("keepalive")
-            activity.last = time.monotonic()
-
-
 async def _stream(request: web.Request, service: ResponsesService, stream: ResponseStream) -> web.StreamResponse:
     try:
         sse = await SseWriter.start(request)
-        activity = _Activity()
-        pump = asyncio.create_task(_pump(stream.events, sse, activity), name="responses-stream")
-        ticker = asyncio.create_task(_keepalive(sse, activity, service.keepalive_s), name="responses-keepalive")
+        keepalive = Keepalive(sse, service.keepalive_s)
+        pump = asyncio.create_task(_pump(stream.events, sse, keepalive), name="responses-stream")
+        ticker = asyncio.create_task(keepalive.run(), name="responses-keepalive")
         tasks = [pump, ticker]
         try:
             # The ticker ends only by failing: then a client that left during a
@@ -92,11 +75,11 @@ async def _stream(request: web.Request, service: ResponsesService, stream: Respo
     return sse.response
 
 
-async def _pump(events: AsyncGenerator[Event, None], sse: SseWriter, activity: _Activity) -> None:
+async def _pump(events: AsyncGenerator[Event, None], sse: SseWriter, keepalive: Keepalive) -> None:
     async with aclosing(events) as stream:
         async for event in stream:
             await sse.data(event.data, event=event.type)
-            activity.last = time.monotonic()
+            keepalive.wrote()
 
 
 def _flag(raw: str, param: str) -> bool:

@@ -22,13 +22,13 @@ import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import psutil
 
-from jobs.events import JobEvent
+from jobs.events import JobEvent, Log
 
+# The one decoder of job stdout: every line becomes a typed event.
 _decoder = msgspec.json.Decoder(JobEvent)
 
 # ------------------------------------------------------------------ child environment
@@ -83,7 +83,7 @@ def job_environ(kind: str, environ: Mapping[str, str], extra: Mapping[str, str])
 
 @dataclass
 class Framed:
-    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    events: list[JobEvent] = field(default_factory=list)
     keepalives: int = 0
 
 
@@ -111,10 +111,7 @@ class EventFramer:
         if len(self._buf) > self.max_line_bytes:
             self._buf.clear()
             self._skipping = True
-            out.events.append(
-                ("log", {"message": f"event line over {self.max_line_bytes} bytes dropped",
-                         "level": "warning"})
-            )
+            out.events.append(_warning(f"event line over {self.max_line_bytes} bytes dropped"))
         return out
 
     def finish(self) -> Framed:
@@ -134,11 +131,13 @@ class EventFramer:
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             # RecursionError: msgspec's guard against deeply nested input.
             text = line[:300].decode(errors="replace")
-            out.events.append(
-                ("log", {"message": f"malformed event line ({exc}): {text}", "level": "warning"})
-            )
+            out.events.append(_warning(f"malformed event line ({exc}): {text}"))
             return
-        out.events.append((event.type, event.data))
+        out.events.append(event)
+
+
+def _warning(message: str) -> Log:
+    return Log({"message": message, "level": "warning"})
 
 
 def signal_group(pgid: int, sig: int) -> bool:

@@ -1,7 +1,8 @@
 """The job runner: one subprocess per running job, under the GPU lease.
 
-The runner claims queued jobs while it has free slots, waits for each job's
-devices on the lease, spawns ``python -m jobs <kind>`` in a new session, feeds
+The runner picks queued jobs while it has free slots and waits for each job's
+devices on the lease; the job stays ``queued`` until it holds them, then
+becomes ``running``. The runner spawns ``python -m jobs <kind>`` in a new session, feeds
 it its params on stdin, stores its NDJSON events and decides its final status
 once its whole process group is gone; only then is the lease released.
 
@@ -19,77 +20,37 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import signal
-import sys
-from collections.abc import Mapping
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
-import psutil
 
-import jobs
-from jobs.context import JobContext
-from jobs.params import JobParams, KindSpec, Roots, kind_spec, params_dict
-from supervisor.errors import ApiError, BadRequest, StorageFull
+from jobs.errors import ParamError
+from jobs.events import Done, Failed
+from jobs.params import JobParams, KindSpec, kind_spec, params_dict
+from supervisor.errors import ApiError, BadRequest, StorageFull, param_error
+from supervisor.lab.active import ActiveJob, RunnerSettings, StopReason
+from supervisor.lab.job_exec import JobExecution, SpawnFailed
 from supervisor.lab.job_process import (
-    EventFramer,
     describe_exit,
-    job_environ,
-    kill_group,
     log_tail,
     signal_group,
 )
-from supervisor.lab.lease import GpuLease, cuda_visible_devices
-from supervisor.lab.store import DEFAULT_RETENTION_S, Job, JobStore, Recovery, Status
+from supervisor.lab.lease import GpuLease
+from supervisor.lab.store import (
+    WAITING_STAGE,
+    Job,
+    JobStore,
+    Recovery,
+    Status,
+)
 
 log = logging.getLogger(__name__)
 
-StopReason = Literal["cancel", "shutdown", "heartbeat"]
-
-
-@dataclass(frozen=True)
-class RunnerSettings:
-    state_dir: Path
-    roots: Roots
-    python: str = sys.executable
-    # None: one job per lease device.
-    max_concurrent: int | None = None
-    # Per-kind SIGTERM -> SIGKILL grace; kinds not listed use their KindSpec's.
-    grace_s: Mapping[str, float] = field(default_factory=dict)
-    heartbeat_timeout_s: float = 120.0
-    keepalive_s: float = 5.0
-    # At shutdown: how long jobs get to checkpoint and stop before SIGKILL.
-    stop_timeout_s: float = 10.0
-    max_line_bytes: int = 1 << 20
-    log_tail_bytes: int = 2000
-    retention_s: float = DEFAULT_RETENTION_S
-    prune_interval_s: float = 3600.0
-    # Extra environment for job processes (e.g. HF_TOKEN, HF_HUB_CACHE).
-    extra_env: Mapping[str, str] = field(default_factory=dict)
-
-    @property
-    def logs_dir(self) -> Path:
-        return self.state_dir / "jobs"
-
-
-@dataclass(eq=False)
-class _Active:
-    job: Job
-    spec: KindSpec
-    stop_reason: StopReason | None = None
-    stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
-    pgid: int | None = None
-    # Stop with SIGUSR1 (save a checkpoint first) rather than SIGTERM.
-    save: bool = False
-    terminal: tuple[str, dict[str, Any]] | None = None
-    grace: float | None = None
-    task: asyncio.Task[None] | None = None
-    killer: asyncio.Task[None] | None = None
-
+__all__ = ["JobRunner", "RunnerSettings"]
 
 @dataclass(frozen=True)
 class _Outcome:
@@ -97,6 +58,13 @@ class _Outcome:
     result: dict[str, Any] | None
     error: str | None
     exit_code: int | None
+
+
+def _stored_spec(kind: str) -> KindSpec:
+    try:
+        return kind_spec(kind)
+    except ParamError as exc:
+        raise param_error(exc) from exc
 
 
 class JobRunner:
@@ -107,12 +75,13 @@ class JobRunner:
         self.lease = lease
         self.settings = settings
         self.max_concurrent = settings.max_concurrent or len(lease.devices)
-        self._active: dict[str, _Active] = {}
+        self._active: dict[str, ActiveJob] = {}
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         # Final states waiting for disk space (see _record_later).
         self._late_records: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self._exec = JobExecution(store, lease, settings, self._request_stop, self._signal_stop)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -170,18 +139,22 @@ class JobRunner:
         process group is gone."""
         if save:
             job = await self.store.get(job_id)
-            if not kind_spec(job.kind).resumable:
+            if not _stored_spec(job.kind).resumable:
                 raise BadRequest(f"{job.kind} jobs cannot save on cancel", param="save")
         job = await self.store.request_cancel(job_id)
         active = self._active.get(job_id)
-        if job.status == "running" and active is not None:
+        if active is not None:
             self._request_stop(active, "cancel", save=save)
+            if job.finished and active.task is not None:
+                # It was queued, waiting for its devices: answer once it has
+                # left the lease's queue.
+                await asyncio.wait({active.task}, timeout=5.0)
         return job
 
     async def resume(self, job_id: str) -> Job:
         """Queue a stopped job of a resumable kind again (a new attempt)."""
         job = await self.store.get(job_id)
-        if not kind_spec(job.kind).resumable:
+        if not _stored_spec(job.kind).resumable:
             raise BadRequest(f"{job.kind} jobs cannot be resumed", param="id")
         job = await self.store.reopen(job_id)
         self.wake()
@@ -205,20 +178,20 @@ class JobRunner:
 
     async def _fill_slots(self) -> None:
         while not self._stopping and len(self._active) < self.max_concurrent:
-            job = await self.store.claim_next()
+            job = await self.store.next_queued(exclude=self._active)
             if job is None:
                 return
             try:
                 spec = kind_spec(job.kind)
-            except ApiError:
+            except ParamError:
                 await self.store.finish(job.id, "failed", error=f"unknown job kind {job.kind!r}")
                 continue
-            active = _Active(job, spec)
+            active = ActiveJob(job, spec)
             self._active[job.id] = active
             active.task = asyncio.create_task(self._run(active), name=f"job-{job.id}")
             active.task.add_done_callback(functools.partial(self._finished, active))
 
-    def _finished(self, active: _Active, _task: asyncio.Task[None]) -> None:
+    def _finished(self, active: ActiveJob, _task: asyncio.Task[None]) -> None:
         task = active.task
         if task is not None and not task.cancelled() and task.exception() is not None:
             log.error("job %s: runner task failed", active.job.id, exc_info=task.exception())
@@ -253,7 +226,7 @@ class JobRunner:
         return self.settings.grace_s.get(kind, kind_spec(kind).grace_s)
 
     def _request_stop(
-        self, active: _Active, reason: StopReason, grace: float | None = None, save: bool = False
+        self, active: ActiveJob, reason: StopReason, grace: float | None = None, save: bool = False
     ) -> None:
         """Record why the job must stop; signal it if it has a process yet."""
         if active.stop_reason is None:
@@ -267,7 +240,7 @@ class JobRunner:
         active.stop_requested.set()
         self._signal_stop(active, force=reason == "heartbeat")
 
-    def _signal_stop(self, active: _Active, force: bool = False) -> None:
+    def _signal_stop(self, active: ActiveJob, force: bool = False) -> None:
         if active.pgid is None:
             return
         if force:
@@ -285,7 +258,7 @@ class JobRunner:
         await asyncio.sleep(delay)
         signal_group(pgid, signal.SIGKILL)
 
-    async def _run(self, active: _Active) -> None:
+    async def _run(self, active: ActiveJob) -> None:
         try:
             await self._run_job(active)
         except StorageFull as exc:
@@ -297,7 +270,7 @@ class JobRunner:
             log.exception("job %s: runner error", active.job.id)
             await self._finish(active, "failed", error=f"runner error: {type(exc).__name__}: {exc}")
 
-    async def _run_job(self, active: _Active) -> None:
+    async def _run_job(self, active: ActiveJob) -> None:
         job = active.job
         try:
             params = msgspec.convert(job.params, active.spec.params)
@@ -309,26 +282,29 @@ class JobRunner:
             return
         try:
             if active.stop_reason is not None:
-                await self._end_unstarted(active)
-            else:
-                await self._execute(active, devices)
+                return  # stopped as it got the lease: still queued
+            started = await self.store.start(job.id)
+            if started is None:
+                return  # cancelled while it waited
+            active.job = started
+            await self._execute(active, devices)
         finally:
             if devices:
                 self.lease.release_job(job.id)
 
-    async def _end_unstarted(self, active: _Active, error: BaseException | None = None) -> None:
-        """The job was stopped (or failed to get its device) before it ran."""
-        if active.stop_reason == "shutdown":
-            await self.store.requeue(active.job.id)
-        elif active.stop_reason == "cancel":
-            await self._finish(active, "cancelled", error="cancelled before it started")
-        else:
+    async def _end_unstarted(self, active: ActiveJob, error: BaseException | None) -> None:
+        """The job was stopped (or failed to get its device) while queued.
+
+        Cancelled: the store has cancelled it already. Shutdown: it stays
+        queued and runs after the restart.
+        """
+        if active.stop_reason is None:
             await self._finish(active, "failed", error=f"could not get the device: {error}")
 
-    async def _acquire(self, active: _Active, devices: list[str]) -> bool:
+    async def _acquire(self, active: ActiveJob, devices: list[str]) -> bool:
         """Wait for the lease unless stopped first; False when the job ended."""
         job = active.job
-        await self.store.set_stage(job.id, "waiting for device", f"waiting for {', '.join(devices)}")
+        await self.store.set_stage(job.id, WAITING_STAGE, f"waiting for {', '.join(devices)}")
         acquire = asyncio.create_task(self.lease.acquire_job(job.id, job.kind, devices, job.priority))
         stopped = asyncio.create_task(active.stop_requested.wait())
         try:
@@ -347,117 +323,20 @@ class JobRunner:
         await self._end_unstarted(active, error)
         return False
 
-    def _env(self, kind: str, devices: list[str]) -> dict[str, str]:
-        # An allowlist of ours; the HF token only for the kinds that download.
-        env = job_environ(kind, os.environ, self.settings.extra_env)
-        root = str(Path(jobs.__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        if any(self.lease.device(d).index is not None for d in self.lease.devices):
-            # On a GPU machine a job sees exactly the devices it holds.
-            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices([self.lease.device(d) for d in devices])
-        return env
-
-    def _context(self, job: Job) -> JobContext:
-        r = self.settings.roots
-        return JobContext(
-            job_id=job.id,
-            models_dir=str(r.models),
-            datasets_dir=str(r.datasets),
-            outputs_dir=str(r.outputs),
-            keepalive_s=self.settings.keepalive_s,
-            attempt=job.attempt,
-        )
-
-    async def _execute(self, active: _Active, devices: list[str]) -> None:
-        job = active.job
-        log_path = self.settings.logs_dir / f"{job.id}.log"
+    async def _execute(self, active: ActiveJob, devices: list[str]) -> None:
+        log_path = self.settings.logs_dir / f"{active.job.id}.log"
         try:
-            with log_path.open("ab") as log_file:
-                proc = await asyncio.create_subprocess_exec(
-                    self.settings.python, "-m", "jobs", job.kind,
-                    stdin=asyncio.subprocess.PIPE,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=log_file,
-                    start_new_session=True,
-                    env=self._env(job.kind, devices),
-                )
-        except OSError as exc:
+            rc = await self._exec.run(active, devices, log_path)
+        except SpawnFailed as exc:
             await self._finish(active, "failed", error=f"could not start the job process: {exc}")
             return
-        active.pgid = proc.pid  # a new session: the leader's pid is the group id
-        try:
-            rc = await self._supervise(active, proc, log_path)
-        finally:
-            # Whatever happened, nothing of the job may outlive this point.
-            await kill_group(proc.pid)
-            if proc.returncode is None:
-                await proc.wait()
         await self._conclude(active, rc, log_path)
 
-    async def _supervise(
-        self, active: _Active, proc: asyncio.subprocess.Process, log_path: Path
-    ) -> int:
-        job = active.job
-        try:
-            create_time: float | None = psutil.Process(proc.pid).create_time()
-        except psutil.NoSuchProcess:
-            create_time = None
-        await self.store.mark_running(
-            job.id, pid=proc.pid, pgid=proc.pid, create_time=create_time, log_path=str(log_path)
-        )
-        if active.stop_reason is not None:
-            # Stopped while it was being spawned.
-            self._signal_stop(active, force=active.stop_reason == "heartbeat")
-        assert proc.stdin is not None and proc.stdout is not None
-        line = msgspec.json.encode({"params": job.params, "context": self._context(job)})
-        # The pipe stays open: its EOF tells the job the parent is gone.
-        with suppress(BrokenPipeError, ConnectionResetError):
-            proc.stdin.write(line + b"\n")
-            await proc.stdin.drain()
-        await self._pump(active, proc.stdout)
-        rc = await proc.wait()
-        if proc.stdin is not None:
-            proc.stdin.close()
-        return rc
-
-    async def _pump(self, active: _Active, stdout: asyncio.StreamReader) -> None:
-        """Store events until EOF; kill the group when heartbeats stop."""
-        loop = asyncio.get_running_loop()
-        framer = EventFramer(self.settings.max_line_bytes)
-        timeout = self.settings.heartbeat_timeout_s
-        last_touch = loop.time()
-        while True:
-            try:
-                chunk = await asyncio.wait_for(stdout.read(1 << 16), timeout)
-            except TimeoutError:
-                log.warning("job %s sent nothing for %.0f s: killing it", active.job.id, timeout)
-                self._request_stop(active, "heartbeat")
-                timeout = self.settings.stop_timeout_s + 60.0
-                continue
-            framed = framer.feed(chunk) if chunk else framer.finish()
-            if framed.events:
-                await self._store_events(active, framed.events)
-                last_touch = loop.time()
-            elif framed.keepalives and loop.time() - last_touch > self.settings.keepalive_s:
-                await self.store.touch(active.job.id)
-                last_touch = loop.time()
-            if not chunk:
-                return
-
-    async def _store_events(self, active: _Active, events: list[tuple[str, dict[str, Any]]]) -> None:
-        for type_, data in events:
-            if type_ in ("done", "failed") and active.terminal is None:
-                active.terminal = (type_, data)
-        await self.store.append_events(active.job.id, events)
-
-    async def _conclude(self, active: _Active, rc: int, log_path: Path) -> None:
+    async def _conclude(self, active: ActiveJob, rc: int, log_path: Path) -> None:
         how = describe_exit(rc)
         terminal = active.terminal
-        if terminal is not None and terminal[0] == "done":
-            result = terminal[1].get("result")
-            await self._finish(
-                active, "succeeded", result=result if isinstance(result, dict) else {}, exit_code=rc
-            )
+        if isinstance(terminal, Done):
+            await self._finish(active, "succeeded", result=terminal.result, exit_code=rc)
         elif active.stop_reason == "cancel":
             await self._finish(active, "cancelled", error="cancelled on request", exit_code=rc)
         elif active.stop_reason == "shutdown":
@@ -465,8 +344,8 @@ class JobRunner:
         elif active.stop_reason == "heartbeat":
             error = f"no events for {self.settings.heartbeat_timeout_s:.0f} s: killed ({how})"
             await self._finish(active, "failed", error=error, exit_code=rc)
-        elif terminal is not None:
-            await self._finish(active, "failed", error=str(terminal[1].get("error")), exit_code=rc)
+        elif isinstance(terminal, Failed):
+            await self._finish(active, "failed", error=terminal.error, exit_code=rc)
         else:
             tail = log_tail(log_path, self.settings.log_tail_bytes)
             error = f"job process {how} without finishing"
@@ -476,7 +355,7 @@ class JobRunner:
 
     async def _finish(
         self,
-        active: _Active,
+        active: ActiveJob,
         status: Status,
         *,
         result: dict[str, Any] | None = None,

@@ -6,164 +6,56 @@ A partial unique index on the unique key makes "one identical job queued or
 running at a time" a database fact rather than a race in Python.
 
 Statuses: queued -> running -> succeeded | failed | cancelled | interrupted;
-queued -> cancelled. A job found running at boot becomes ``interrupted``: GPU
-jobs are not idempotent, so nothing is silently re-run.
+queued -> cancelled. A job is running only once the runner holds its devices;
+while it waits it is queued, with the stage ``waiting for device``. A job
+found running at boot becomes ``interrupted``: GPU jobs are not idempotent,
+so nothing is silently re-run.
 """
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import json
-import secrets
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import aiosqlite
 import msgspec
 
+from jobs.events import JobEvent, event_type
 from supervisor.db import Database
-from supervisor.errors import BadRequest, Conflict, NotFound
+from supervisor.errors import Conflict, NotFound
 from supervisor.lab.hub import JobEventHub, StoredEvent
 from supervisor.lab.job_process import kill_leftover_group
+from supervisor.lab.job_schema import (
+    DEFAULT_RETENTION_S,
+    FINISHED,
+    JOBS_MIGRATIONS,
+    JOBS_OWNER_SCHEMA,
+    JOBS_SCHEMA,
+    WAITING_STAGE,
+    Job,
+    JobPage,
+    Recovery,
+    Status,
+    Summary,
+    first_row,
+    list_query,
+    new_job_id,
+    row_job,
+    summarize,
+    unique_key,
+)
 
-Status = Literal["queued", "running", "succeeded", "failed", "cancelled", "interrupted"]
-FINISHED: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "interrupted"})
-ACTIVE: frozenset[str] = frozenset({"queued", "running"})
-DEFAULT_RETENTION_S = 14 * 24 * 3600.0
-
-JOBS_SCHEMA: list[str] = [
-    """CREATE TABLE jobs (
-        n INTEGER PRIMARY KEY AUTOINCREMENT,
-        id TEXT NOT NULL UNIQUE,
-        kind TEXT NOT NULL,
-        status TEXT NOT NULL CHECK (status IN
-            ('queued','running','succeeded','failed','cancelled','interrupted')),
-        priority INTEGER NOT NULL DEFAULT 0,
-        params TEXT NOT NULL,
-        progress REAL NOT NULL DEFAULT 0,
-        stage TEXT,
-        message TEXT,
-        result TEXT,
-        error TEXT,
-        attempt INTEGER NOT NULL DEFAULT 0,
-        created_at REAL NOT NULL,
-        started_at REAL,
-        finished_at REAL,
-        heartbeat_at REAL,
-        pid INTEGER,
-        pgid INTEGER,
-        proc_create_time REAL,
-        exit_code INTEGER,
-        cancel_requested_at REAL,
-        log_path TEXT,
-        unique_key TEXT NOT NULL,
-        last_seq INTEGER NOT NULL DEFAULT 0
-    )""",
-    # At most one identical job queued or running; finished ones may repeat.
-    (
-        "CREATE UNIQUE INDEX jobs_active_key ON jobs(unique_key) "
-        "WHERE status IN ('queued','running')"
-    ),
-    "CREATE INDEX jobs_queue ON jobs(status, priority DESC, n)",
-    "CREATE INDEX jobs_finished ON jobs(finished_at) WHERE finished_at IS NOT NULL",
-    """CREATE TABLE job_events (
-        job_id TEXT NOT NULL REFERENCES jobs(id) ON DELETE CASCADE,
-        seq INTEGER NOT NULL,
-        time REAL NOT NULL,
-        type TEXT NOT NULL,
-        data TEXT NOT NULL,
-        PRIMARY KEY (job_id, seq)
-    ) WITHOUT ROWID""",
+# Re-exported: what the app, the runner and the routes import from the store.
+__all__ = [
+    "DEFAULT_RETENTION_S", "FINISHED", "JOBS_MIGRATIONS", "JOBS_OWNER_SCHEMA", "JOBS_SCHEMA",
+    "WAITING_STAGE", "Job", "JobPage", "JobStore", "Recovery", "Status",
 ]
-# The key that submitted the job: its key id, "admin" for the admin token or
-# a session, NULL with authentication off. Keys see only their own jobs.
-JOBS_OWNER_SCHEMA: list[str] = [
-    "ALTER TABLE jobs ADD COLUMN owner TEXT",
-    "CREATE INDEX jobs_owner ON jobs(owner, n)",
-]
-# The job tables alone, for a database that holds nothing else (tests, benchmarks).
-JOBS_MIGRATIONS: list[list[str]] = [JOBS_SCHEMA, JOBS_OWNER_SCHEMA]
 
 _enc = msgspec.json.Encoder()
-# Fields the API never shows: internal bookkeeping.
-_HIDDEN = ("unique_key", "proc_create_time", "last_seq")
-# Process and file facts of the machine: shown to admins only.
-_ADMIN_ONLY = frozenset({"pid", "pgid", "log_path"})
-
-
-class Job(msgspec.Struct, kw_only=True):
-    id: str
-    kind: str
-    status: Status
-    priority: int
-    params: dict[str, Any]
-    progress: float
-    stage: str | None
-    message: str | None
-    result: dict[str, Any] | None
-    error: str | None
-    attempt: int
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
-    heartbeat_at: float | None
-    pid: int | None
-    pgid: int | None
-    proc_create_time: float | None
-    exit_code: int | None
-    cancel_requested_at: float | None
-    log_path: str | None
-    unique_key: str
-    last_seq: int
-    owner: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.status in FINISHED
-
-    def to_api(self, admin: bool = True) -> dict[str, Any]:
-        out: dict[str, Any] = {"object": "job"}
-        for name in self.__struct_fields__:
-            if name not in _HIDDEN and (admin or name not in _ADMIN_ONLY):
-                out[name] = getattr(self, name)
-        return out
-
-
-def _job(row: aiosqlite.Row) -> Job:
-    d = dict(row)
-    d.pop("n", None)
-    d["params"] = json.loads(d["params"])
-    d["result"] = json.loads(d["result"]) if d["result"] is not None else None
-    return msgspec.convert(d, Job)
-
-
-def _first(rows: Iterable[aiosqlite.Row]) -> aiosqlite.Row | None:
-    return next(iter(rows), None)
-
-
-def new_job_id() -> str:
-    return "job_" + secrets.token_hex(8)
-
-
-def unique_key(kind: str, params: dict[str, Any]) -> str:
-    canonical = json.dumps(params, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return kind + ":" + hashlib.sha256(canonical.encode()).hexdigest()
-
-
-@dataclass
-class JobPage:
-    jobs: list[Job]
-    next_cursor: str | None
-
-
-@dataclass
-class Recovery:
-    interrupted: list[str] = field(default_factory=list)
-    requeued: list[str] = field(default_factory=list)
-    killed_pids: list[int] = field(default_factory=list)
 
 
 class JobStore:
@@ -180,7 +72,7 @@ class JobStore:
         rows = await self.db.reader.execute_fetchall("SELECT * FROM jobs WHERE id = ?", (job_id,))
         if not rows:
             raise NotFound(f"no job with id {job_id!r}", param="id")
-        return _job(next(iter(rows)))
+        return row_job(next(iter(rows)))
 
     async def list_jobs(
         self,
@@ -193,33 +85,12 @@ class JobStore:
     ) -> JobPage:
         """Newest first; ``cursor`` is the previous page's ``next_cursor``;
         ``owner``: only that key's jobs (None: everyone's)."""
-        where: list[str] = []
-        args: list[Any] = []
-        if owner is not None:
-            where.append("owner = ?")
-            args.append(owner)
-        if status:
-            where.append(f"status IN ({','.join('?' * len(status))})")
-            args.extend(status)
-        if kind:
-            where.append("kind = ?")
-            args.append(kind)
-        if cursor:
-            try:
-                where.append("n < ?")
-                args.append(int(cursor))
-            except ValueError as exc:
-                raise BadRequest("invalid cursor", param="cursor") from exc
-        sql = "SELECT * FROM jobs"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY n DESC LIMIT ?"
-        args.append(limit + 1)
+        sql, args = list_query(status, kind, limit, cursor, owner)
         rows = list(await self.db.reader.execute_fetchall(sql, args))
         more = len(rows) > limit
         rows = rows[:limit]
         next_cursor = str(rows[-1]["n"]) if more and rows else None
-        return JobPage([_job(r) for r in rows], next_cursor)
+        return JobPage([row_job(r) for r in rows], next_cursor)
 
     async def events_after(self, job_id: str, after_seq: int, limit: int = 1000) -> list[StoredEvent]:
         rows = await self.db.reader.execute_fetchall(
@@ -250,28 +121,34 @@ class JobStore:
                 (new_job_id(), kind, priority, json.dumps(params), self.clock(), key, owner),
             )
             if rows:
-                return _job(next(iter(rows))), True
+                return row_job(next(iter(rows))), True
             rows = await conn.execute_fetchall(
                 "SELECT * FROM jobs WHERE unique_key = ? AND status IN ('queued','running')", (key,)
             )
-        return _job(next(iter(rows))), False
+        return row_job(next(iter(rows))), False
 
-    async def claim_next(self, kinds: Iterable[str] | None = None) -> Job | None:
-        """Move the best queued job to running (priority desc, then oldest)."""
-        filt, args = "", []
-        if kinds is not None:
-            kinds = list(kinds)
-            filt = f" AND kind IN ({','.join('?' * len(kinds))})"
-            args = kinds
+    async def next_queued(self, exclude: Collection[str] = ()) -> Job | None:
+        """The best queued job (priority desc, then oldest) not in ``exclude``
+        (the runner's jobs that wait for their devices); it stays queued."""
+        filt = f" AND id NOT IN ({','.join('?' * len(exclude))})" if exclude else ""
+        rows = await self.db.reader.execute_fetchall(
+            f"SELECT * FROM jobs WHERE status = 'queued'{filt} ORDER BY priority DESC, n LIMIT 1",
+            tuple(exclude),
+        )
+        row = first_row(rows)
+        return row_job(row) if row is not None else None
+
+    async def start(self, job_id: str) -> Job | None:
+        """Move a queued job to running (its devices are held now); None when
+        it is no longer queued (cancelled while it waited)."""
         async with self.db.write() as conn:
             rows = await conn.execute_fetchall(
                 "UPDATE jobs SET status = 'running', attempt = attempt + 1, heartbeat_at = ?, "
-                "stage = 'starting' WHERE id = (SELECT id FROM jobs WHERE status = 'queued'"
-                f"{filt} ORDER BY priority DESC, n LIMIT 1) RETURNING *",
-                (self.clock(), *args),
+                "stage = 'starting' WHERE id = ? AND status = 'queued' RETURNING *",
+                (self.clock(), job_id),
             )
-            row = _first(rows)
-        return _job(row) if row is not None else None
+            row = first_row(rows)
+        return row_job(row) if row is not None else None
 
     async def set_stage(self, job_id: str, stage: str, message: str | None = None) -> None:
         async with self.db.write() as conn:
@@ -291,31 +168,21 @@ class JobStore:
                 "started_at = ?, heartbeat_at = ?, stage = 'started' WHERE id = ? RETURNING *",
                 (pid, pgid, create_time, log_path, now, now, job_id),
             )
-            row = _first(rows)
+            row = first_row(rows)
         if row is None:
             raise NotFound(f"no job with id {job_id!r}")
-        return _job(row)
-
-    async def requeue(self, job_id: str) -> None:
-        """Put back a claimed job that never started a process."""
-        async with self.db.write() as conn:
-            await conn.execute(
-                "UPDATE jobs SET status = 'queued', stage = NULL, attempt = max(attempt - 1, 0) "
-                "WHERE id = ? AND status = 'running' AND pid IS NULL",
-                (job_id,),
-            )
+        return row_job(row)
 
     # ------------------------------------------------------------ events
 
-    async def append_events(
-        self, job_id: str, events: Sequence[tuple[str, dict[str, Any]]]
-    ) -> list[StoredEvent]:
+    async def append_events(self, job_id: str, events: Sequence[JobEvent]) -> list[StoredEvent]:
         """Store a batch in one transaction; updates progress/stage/message."""
         if not events:
             return []
         now = self.clock()
+        pairs = [(event_type(e), e.data) for e in events]
         async with self.db.write() as conn:
-            stored = await self._append(conn, job_id, events, now)
+            stored = await self._append(conn, job_id, pairs, now, summarize(events))
         self.hub.publish(job_id, stored)
         return stored
 
@@ -325,6 +192,7 @@ class JobStore:
         job_id: str,
         events: Sequence[tuple[str, dict[str, Any]]],
         now: float,
+        summary: Summary = (None, None, None),
     ) -> list[StoredEvent]:
         rows = await conn.execute_fetchall("SELECT last_seq FROM jobs WHERE id = ?", (job_id,))
         if not rows:
@@ -338,7 +206,7 @@ class JobStore:
             "INSERT INTO job_events (job_id, seq, time, type, data) VALUES (?, ?, ?, ?, ?)",
             [(job_id, e.seq, e.time, e.type, _enc.encode(e.data).decode()) for e in stored],
         )
-        progress, stage, message = _summarize(stored)
+        progress, stage, message = summary
         await conn.execute(
             "UPDATE jobs SET last_seq = ?, heartbeat_at = ?, progress = coalesce(?, progress), "
             "stage = coalesce(?, stage), message = coalesce(?, message) WHERE id = ?",
@@ -404,13 +272,13 @@ class JobStore:
                 job_id,
             ),
         )
-        row = _first(rows)
+        row = first_row(rows)
         if row is None:
             current = await self.get(job_id)
             raise Conflict(f"job {job_id} is already {current.status}")
         data: dict[str, Any] = {"status": status, "error": error, "exit_code": exit_code}
         stored = await self._append(conn, job_id, [("status", data)], now)
-        job = _job(row)
+        job = row_job(row)
         job.last_seq = stored[-1].seq
         return job, stored
 
@@ -419,10 +287,10 @@ class JobStore:
         stops the process). Finished: Conflict, except an already cancelled job."""
         async with self.db.write() as conn:
             rows = await conn.execute_fetchall("SELECT * FROM jobs WHERE id = ?", (job_id,))
-            row = _first(rows)
+            row = first_row(rows)
             if row is None:
                 raise NotFound(f"no job with id {job_id!r}", param="id")
-            job = _job(row)
+            job = row_job(row)
             if job.status == "queued":
                 job, stored = await self._finish(
                     conn, job_id, "cancelled", None, "cancelled before it started", None, None
@@ -461,11 +329,11 @@ class JobStore:
                 )
             except sqlite3.IntegrityError:
                 raise Conflict(f"an identical job is already queued or running; not resuming {job_id}") from None
-            row = _first(rows)
+            row = first_row(rows)
             if row is None:
                 job = await self.get(job_id)
                 raise Conflict(f"job {job_id} is {job.status}; only {', '.join(resumable)} jobs resume")
-            job = _job(row)
+            job = row_job(row)
             data = {"status": "queued", "resumed": True, "attempt": job.attempt + 1}
             stored = await self._append(conn, job_id, [("status", data)], self.clock())
         job.last_seq = stored[-1].seq
@@ -479,11 +347,11 @@ class JobStore:
                 "DELETE FROM jobs WHERE id = ? AND status NOT IN ('queued','running') RETURNING *",
                 (job_id,),
             )
-            row = _first(rows)
+            row = first_row(rows)
         if row is None:
             job = await self.get(job_id)
             raise Conflict(f"job {job_id} is {job.status}; cancel it before deleting")
-        return _job(row)
+        return row_job(row)
 
     async def prune(self, retention_s: float = DEFAULT_RETENTION_S) -> list[Job]:
         """Delete finished jobs (and their events) older than the retention.
@@ -497,29 +365,29 @@ class JobStore:
                 "RETURNING *",
                 (cutoff,),
             )
-        return [_job(r) for r in rows]
+        return [row_job(r) for r in rows]
 
     # ------------------------------------------------------------ boot
 
     async def recover_at_boot(self) -> Recovery:
         """Running jobs become interrupted; their leftover processes are killed.
 
-        A job claimed but never started (no pid) goes back to the queue: it
-        never ran, so running it now is not a silent re-run.
+        A job is running only once it held its devices, so every running job
+        may have run. Queued jobs that were waiting for a device simply wait
+        again. The kills come after the commit: they may block on psutil.
         """
         report = Recovery()
         ended: list[tuple[str, list[StoredEvent]]] = []
+        leftovers: list[Job] = []
         async with self.db.write() as conn:
+            await conn.execute(
+                "UPDATE jobs SET stage = NULL, message = NULL "
+                "WHERE status = 'queued' AND stage = ?", (WAITING_STAGE,)
+            )
             rows = await conn.execute_fetchall("SELECT * FROM jobs WHERE status = 'running'")
-            jobs = [_job(r) for r in rows]
-            for job in jobs:
-                if job.pid is None:
-                    await conn.execute(
-                        "UPDATE jobs SET status = 'queued', stage = NULL WHERE id = ?", (job.id,)
-                    )
-                    report.requeued.append(job.id)
-                    continue
-                report.killed_pids.extend(kill_leftover_group(job.pid, job.pgid, job.proc_create_time))
+            for job in [row_job(r) for r in rows]:
+                if job.pid is not None:
+                    leftovers.append(job)
                 _, stored = await self._finish(
                     conn, job.id, "interrupted", None, "supervisor restarted", None,
                     "interrupted: supervisor restarted",
@@ -528,19 +396,8 @@ class JobStore:
                 report.interrupted.append(job.id)
         for job_id, stored in ended:
             self._announce_end(job_id, stored)
+        for job in leftovers:
+            assert job.pid is not None
+            report.killed_pids.extend(await asyncio.to_thread(
+                kill_leftover_group, job.pid, job.pgid, job.proc_create_time))
         return report
-
-
-def _summarize(events: Sequence[StoredEvent]) -> tuple[float | None, str | None, str | None]:
-    progress: float | None = None
-    stage: str | None = None
-    message: str | None = None
-    for e in events:
-        if e.type == "progress" and isinstance(e.data.get("progress"), int | float):
-            progress = min(1.0, max(0.0, float(e.data["progress"])))
-        if e.type == "stage" and isinstance(e.data.get("stage"), str):
-            stage = e.data["stage"]
-        msg = e.data.get("message")
-        if e.type in ("log", "stage", "progress") and isinstance(msg, str):
-            message = msg[:500]
-    return progress, stage, message

@@ -1,4 +1,5 @@
-"""The model library: every GGUF model on disk, kept current by a watcher.
+"""The model library: every GGUF model on disk, kept current by a watcher
+(supervisor/models/library_watch.py).
 
 Sources, in priority order:
 
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import contextlib
 import logging
 import os
 import stat
@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Literal
 
 import msgspec
-from watchfiles import Change, awatch
 
 from jobs.gguf_names import (
     group_gguf_files,
@@ -51,6 +50,7 @@ from jobs.gguf_names import (
     is_temporary_name,
     pick_projector,
 )
+from supervisor.models import library_watch
 from supervisor.models.gguf_info import GgufError, GgufInfo, read_gguf_info
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class ModelLibrary:
 
     async def wait_for_change(self, version: int) -> int:
         """Return once :attr:`version` differs from ``version``; the new version."""
-        self._loop = asyncio.get_running_loop()
+        self.bind_loop()
         while self._version == version:
             await self._changed.wait()
         return self._version
@@ -356,79 +356,16 @@ class ModelLibrary:
         self._headers[key] = (st.st_size, st.st_mtime_ns, result)
         return result
 
-    # -- watching --------------------------------------------------------
+    # -- watching (supervisor/models/library_watch.py) --------------------
 
-    def _roots(self) -> builtins.list[Path]:
-        roots = list(self.model_dirs)
-        if self.hf_cache_dir is not None:
-            roots.append(self.hf_cache_dir)
-        return [r for r in roots if r.is_dir()]
-
-    @staticmethod
-    def _relevant(change: Change, path: str) -> bool:
-        name = path.rsplit(os.sep, 1)[-1]
-        # Download progress in the hub cache must not cause rescans.
-        return not (name.endswith((".incomplete", ".lock")) or f"{os.sep}.locks{os.sep}" in path)
-
-    async def watch_supervised(self, stop: asyncio.Event, restart_s: float = 1.0) -> None:
-        """:meth:`watch`, restarted after any failure (with its traceback
-        logged) until ``stop``: a models dir the library cannot follow must
-        not leave the service serving a stale list forever."""
-        while not stop.is_set():
-            try:
-                await self.watch(stop)
-            except Exception:  # supervision: any failure restarts the watcher, logged in full
-                log.exception("the model library watcher failed; restarting it in %.0f s", restart_s)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), restart_s)
+    def bind_loop(self) -> None:
+        """Wake this event loop's waiters on changes, also from rescans in threads."""
+        self._loop = asyncio.get_running_loop()
 
     async def watch(self, stop: asyncio.Event) -> None:
-        """Rescan now, then on every change until ``stop`` is set.
+        """Rescan now, then on every change until ``stop`` is set."""
+        await library_watch.watch(self, stop)
 
-        Also rechecks files that have not settled and picks up model dirs or
-        the hub cache when they appear after start.
-        """
-        self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self.rescan)
-        tick_ms = max(int(self.settle_s * 1000), 100)
-        if self.linked_dirs:
-            log.warning("a models dir holds symlinked directories (not scanned); "
-                        "polling for changes instead of watching")
-            await self._poll(stop, tick_ms / 1000)
-            return
-        while not stop.is_set():
-            roots = self._roots()
-            if not roots:
-                # Nothing to watch yet: look for the roots again after a tick.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), tick_ms / 1000)
-                continue
-            first = True
-            async for changes in awatch(
-                *roots,
-                watch_filter=self._relevant,
-                stop_event=stop,
-                debounce=400,
-                step=50,
-                rust_timeout=tick_ms,
-                yield_on_timeout=True,
-            ):
-                roots_changed = self._roots() != roots
-                # The first yield comes once the watcher runs: rescan to catch
-                # what changed while it was starting.
-                if first or changes or self._pending or roots_changed:
-                    await asyncio.to_thread(self.rescan)
-                if first:
-                    first = False
-                    self.watching.set()
-                if roots_changed:
-                    break  # watch the new set of roots
-        self.watching.clear()
-
-    async def _poll(self, stop: asyncio.Event, tick_s: float) -> None:
-        """Rescan every tick: for roots holding symlinked directories."""
-        self.watching.set()
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), tick_s)
-            await asyncio.to_thread(self.rescan)
+    async def watch_supervised(self, stop: asyncio.Event, restart_s: float = 1.0) -> None:
+        """:meth:`watch`, restarted after any failure until ``stop``."""
+        await library_watch.watch_supervised(self, stop, restart_s)

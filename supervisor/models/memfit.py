@@ -1,94 +1,30 @@
 """Will a model fit, and with how much context?
 
-Byte arithmetic over a :class:`~supervisor.models.gguf_info.GgufInfo`, mirroring how
-llama.cpp sizes a context's memory:
-
-- KV cache: each layer that owns a cache stores ``n_head_kv * key_length`` K
-  values and ``n_head_kv * value_length`` V values per cell. llama.cpp rounds
-  the context up to a multiple of 256 cells.
-- Sliding-window layers keep only ``min(n_ctx, n_swa * n_seq + n_ubatch)``
-  cells (rounded up to 256) unless the full-size SWA cache is asked for.
-- MLA models cache one compressed latent per token (``key_length`` =
-  kv_lora_rank + rope dims, one KV head) and no separate V.
-- Without flash attention V is stored transposed, padded to the widest layer.
-- Recurrent layers (SSM / RWKV / short conv) hold a fixed f32 state per
-  sequence instead of a cache that grows with the context.
-- Cache types are costed with their real block sizes (q8_0: 34 bytes per 32
-  values; q4_0: 18 bytes per 32).
-- Slots that do not share a cache get a stream each of n_ctx cells; a
-  unified cache is one stream of n_ctx * slots cells.
-- The compute buffer is an upper estimate of the graph of one ubatch.
-
-These match the sizes the engine logs (see tests/test_memfit_engine.py).
-
-:func:`choose_context` turns that into a decision the API reports, or a typed
-:class:`DoesNotFit` refusal naming the sizes. On a GPU a model that does not
-fit whole is split: its last layers on the GPU, the rest in RAM, sized from
-the per-layer tensor bytes of the header. :func:`free_memory` reads free
-GPU memory from ``nvidia-smi`` (respecting ``CUDA_VISIBLE_DEVICES``), else
-system RAM. It blocks for up to a few seconds: call it in a thread.
+:func:`choose_context` weighs the weights, the KV cache and the compute
+buffer (sized in :mod:`supervisor.models.kvsize`) against free memory (read
+by :mod:`supervisor.models.memory`) and returns a decision the API reports,
+or a typed :class:`DoesNotFit` refusal naming the sizes. On a GPU a model that
+does not fit whole is split: its last layers on the GPU, the rest in RAM,
+sized from the per-layer tensor bytes of the header.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-from collections.abc import Callable, Mapping
-from typing import Literal, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
-import psutil
 
 from supervisor.errors import BadRequest
 from supervisor.models.gguf_info import GgufInfo, TensorSizes
-
-CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
-# (values per block, bytes per block), as ggml defines them.
-CACHE_TYPE_SIZES: dict[str, tuple[int, int]] = {
-    "f32": (1, 4),
-    "f16": (1, 2),
-    "bf16": (1, 2),
-    "q8_0": (32, 34),
-    "q4_0": (32, 18),
-    "q4_1": (32, 20),
-    "q5_0": (32, 22),
-    "q5_1": (32, 24),
-    "iq4_nl": (32, 18),
-}
-CTX_ALIGN = 256
-_MIB = 1024 * 1024
-_SMI_QUERY = "--query-gpu=index,uuid,memory.free,memory.total"
-
-
-class KvOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """The context settings that change the memory a model needs."""
-
-    cache_type_k: CacheType = "f16"
-    cache_type_v: CacheType = "f16"
-    flash_attn: bool = True
-    swa_full: bool = False
-    # Sequences sharing one cache stream (a unified cache holds every slot's).
-    n_seq: int = 1
-    n_ubatch: int = 512
-    # Engine slots, each with its own cache of n_ctx cells (not unified).
-    slots: int = 1
-    # One cache stream of n_ctx * slots cells for all slots (embedding workers).
-    kv_unified: bool = False
-    # Logit rows per slot and step: 1, plus the draft tokens speculative
-    # decoding verifies.
-    n_outputs: int = 1
-
-
-class KvEstimate(msgspec.Struct, frozen=True, kw_only=True):
-    n_cells: int  # cells per stream of full-attention layers (n_ctx rounded up to 256)
-    n_cells_swa: int  # cells per stream of sliding-window layers
-    k_bytes: int
-    v_bytes: int
-    recurrent_bytes: int
-
-    @property
-    def total(self) -> int:
-        return self.k_bytes + self.v_bytes + self.recurrent_bytes
+from supervisor.models.kvsize import (
+    CTX_ALIGN,
+    KvOptions,
+    align_down,
+    align_up,
+    compute_buffer_bytes,
+    kv_layer_bytes,
+)
 
 
 class ContextDecision(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,159 +76,10 @@ class DoesNotFit(BadRequest):
         self.free_bytes = free_bytes
 
 
-class DeviceMemory(msgspec.Struct, frozen=True):
-    index: int
-    uuid: str
-    free_bytes: int
-    total_bytes: int
-
-
-class MemorySnapshot(msgspec.Struct, frozen=True, kw_only=True):
-    kind: Literal["gpu", "ram"]
-    free_bytes: int
-    total_bytes: int
-    devices: list[DeviceMemory] = []
-    note: str | None = None  # why GPU memory was not used, when it was looked for
-
-
-def align_up(n: int, to: int = CTX_ALIGN) -> int:
-    return -(-n // to) * to
-
-
-def align_down(n: int, to: int = CTX_ALIGN) -> int:
-    return n // to * to
-
 
 def gib(n: int) -> str:
     return f"{n / (1024**3):.2f} GiB"
 
-
-def row_bytes(cache_type: str, n_values: int) -> int:
-    """Bytes of ``n_values`` values of ``cache_type`` (whole blocks)."""
-    block, size = CACHE_TYPE_SIZES[cache_type]
-    return -(-n_values // block) * size
-
-
-def _head_dims(info: GgufInfo, il: int) -> tuple[int, int]:
-    if info.swa_layers and info.swa_layers[il]:
-        return info.key_length_swa, info.value_length_swa
-    return info.key_length, info.value_length
-
-
-def recurrent_state_values(info: GgufInfo) -> int:
-    """f32 values of recurrent state per recurrent layer and sequence (r + s)."""
-    if info.wkv_head_size:
-        return info.token_shift_count * info.n_embd + info.n_embd * info.wkv_head_size
-    if info.shortconv_l_cache:
-        conv = info.n_embd * (info.shortconv_l_cache - 1)
-    else:
-        d_conv = max(info.ssm_conv_kernel - 1, 0)
-        conv = d_conv * (info.ssm_inner_size + 2 * info.ssm_group_count * info.ssm_state_size)
-    return conv + info.ssm_state_size * info.ssm_inner_size
-
-
-class Streams(NamedTuple):
-    """How llama.cpp lays out a context's cache."""
-
-    n_streams: int  # one per slot, or one shared (unified)
-    cells: int  # cells per stream of full-attention layers
-    cells_swa: int  # cells per stream of sliding-window layers
-
-
-def cache_streams(info: GgufInfo, n_ctx: int, opts: KvOptions) -> Streams:
-    """The engine gets n_ctx * slots: split into one stream per slot, each
-    rounded up to 256 cells, or kept as one stream when unified. A window
-    stream holds its sequences' windows plus one ubatch."""
-    slots = max(1, opts.slots)
-    if opts.kv_unified:
-        count, cells, seqs = 1, align_up(max(n_ctx, 1) * slots), max(opts.n_seq, 1) * slots
-    else:
-        count, cells, seqs = slots, align_up(max(n_ctx, 1)), max(opts.n_seq, 1)
-    cells_swa = cells
-    if info.sliding_window > 0 and not opts.swa_full:
-        cells_swa = align_up(min(cells, info.sliding_window * seqs + opts.n_ubatch))
-    return Streams(count, cells, cells_swa)
-
-
-def _layer_costs(info: GgufInfo, n_ctx: int, opts: KvOptions) -> list[tuple[int, int, int]]:
-    """(K, V, recurrent state) bytes of each layer, all streams and sequences."""
-    streams = cache_streams(info, n_ctx, opts)
-    v_pad = 0
-    if not opts.flash_attn:
-        v_pad = max(
-            (_head_dims(info, il)[1] * h for il, h in enumerate(info.n_head_kv_per_layer)),
-            default=0,
-        )
-    state = recurrent_state_values(info) * 4 * max(opts.n_seq, 1) * max(1, opts.slots)
-    out: list[tuple[int, int, int]] = []
-    for il in range(info.n_layer):
-        k = v = 0
-        if info.attention_layers[il]:
-            cells = (streams.cells_swa if info.swa_layers[il] else streams.cells) * streams.n_streams
-            head_k, head_v = _head_dims(info, il)
-            n_kv = info.n_head_kv_per_layer[il]
-            k = row_bytes(opts.cache_type_k, head_k * n_kv) * cells
-            if not info.is_mla:  # else the latent in K serves as V
-                v = row_bytes(opts.cache_type_v, v_pad or head_v * n_kv) * cells
-        out.append((k, v, state if info.recurrent_layers[il] else 0))
-    return out
-
-
-def kv_layer_bytes(info: GgufInfo, n_ctx: int, opts: KvOptions | None = None) -> list[int]:
-    """KV cache plus recurrent state of each layer: it lives on that layer's device."""
-    return [k + v + r for k, v, r in _layer_costs(info, n_ctx, opts or KvOptions())]
-
-
-def kv_cache_bytes(info: GgufInfo, n_ctx: int, opts: KvOptions | None = None) -> KvEstimate:
-    """KV cache plus recurrent state of ``info`` at a context of ``n_ctx`` per slot."""
-    opts = opts or KvOptions()
-    streams = cache_streams(info, n_ctx, opts)
-    costs = _layer_costs(info, n_ctx, opts)
-    return KvEstimate(
-        n_cells=streams.cells,
-        n_cells_swa=streams.cells_swa,
-        k_bytes=sum(c[0] for c in costs),
-        v_bytes=sum(c[1] for c in costs),
-        recurrent_bytes=sum(c[2] for c in costs),
-    )
-
-
-def _ffn_width(info: GgufInfo) -> int:
-    dense = max(info.n_ff_per_layer, default=0)
-    if info.n_expert_used > 0:  # each token's experts run side by side
-        return max(dense, info.n_expert_used * (info.n_ff_exp or dense))
-    return dense
-
-
-def compute_buffer_bytes(info: GgufInfo, n_ctx: int, opts: KvOptions | None = None) -> int:
-    """An upper estimate of llama.cpp's compute buffer, the graph of one ubatch.
-
-    llama.cpp reserves it for ``min(n_ubatch, context)`` tokens. Counted in
-    f32: one layer's activations with nothing reused between its attention
-    and feed-forward halves (four FFN-wide and four embedding-wide rows, two
-    of Q and four of K/V); the attention masks every layer reads (one per
-    cache: full and sliding window); the logit rows the server asks for; and
-    without flash attention one layer's scores over the whole stream. The
-    allocator reuses memory across a layer, so the engine's own figure is
-    lower: measured on the CPU with flash attention, by 1.3x to 2.1x, the
-    most where the mask dominates (the engine keeps it in f16).
-    """
-    opts = opts or KvOptions()
-    streams = cache_streams(info, n_ctx, opts)
-    tokens = min(opts.n_ubatch, streams.cells * streams.n_streams)
-    n_head = max(info.n_head_per_layer, default=info.n_head)
-    n_head_kv = max(info.n_head_kv_per_layer, default=info.n_head_kv)
-    head = max(info.key_length, info.value_length, info.key_length_swa, info.value_length_swa)
-    per_token = 4 * _ffn_width(info) + 4 * info.n_embd + 2 * n_head * head + 4 * n_head_kv * head
-    owns = [il for il in range(info.n_layer) if info.attention_layers[il]]
-    mask_cells = 0
-    if any(not info.swa_layers[il] for il in owns):
-        mask_cells += streams.cells
-    if any(info.swa_layers[il] for il in owns):
-        mask_cells += streams.cells_swa
-    logits = max(1, opts.slots) * max(1, opts.n_outputs) * info.n_vocab
-    scores = 0 if opts.flash_attn or not owns else n_head * streams.cells * tokens
-    return 4 * (tokens * per_token + mask_cells * tokens + logits + scores)
 
 
 class Need(NamedTuple):
@@ -438,47 +225,12 @@ def choose_context(
     lowest = min(floor, goal)
     on_gpu = memory_kind == "gpu"
     fixed = on_gpu and 0 <= n_gpu_layers <= n_layer and model.splittable
-
-    def decide(n_ctx: int, reason: str, need: Need, layers: int, engine_layers: int,
-               placement: str) -> ContextDecision:
-        return ContextDecision(
-            n_ctx=n_ctx,
-            automatic=requested is None,
-            requested=requested,
-            native_ctx=native,
-            kv_bytes=need.kv,
-            compute_bytes=need.compute,
-            weight_bytes=need.weights,
-            reserve_bytes=reserve_bytes,
-            needed_bytes=need.total,
-            free_bytes=free_bytes,
-            memory_kind=memory_kind,
-            cache_type_k=opts.cache_type_k,
-            cache_type_v=opts.cache_type_v,
-            reason=reason,
-            n_layer=n_layer,
-            layers_placed=layers,
-            n_gpu_layers=engine_layers,
-            n_gpu_layers_asked=n_gpu_layers,
-            placement=placement,
-            host_bytes=need.host,
-        )
-
-    if fixed:
-        def need(n_ctx: int) -> Need:
-            return model.offloaded(n_ctx, n_gpu_layers)
-
-        layers = max(0, n_gpu_layers - 1)
-        placement = (
-            f"{layers} of {n_layer} layers on the GPU, as configured (n_gpu_layers {n_gpu_layers})"
-        )
-    else:
-        need, layers = model.full, n_layer
-        placement = f"all {n_layer} layers on the GPU" if on_gpu else f"all {n_layer} layers in RAM"
+    ask = _Ask(requested, native, free_bytes, reserve_bytes, memory_kind, opts, n_layer, n_gpu_layers)
+    need, layers, placement = _placement(model, n_layer, n_gpu_layers, on_gpu, fixed)
     fitted = _fits(need, requested, goal, lowest, free_bytes, memory_kind)
     if fitted is not None:
         n_ctx, reason = fitted
-        return decide(n_ctx, reason, need(n_ctx), layers, n_gpu_layers, placement)
+        return _decision(ask, n_ctx, reason, need(n_ctx), layers, n_gpu_layers, placement)
     partial_tried = on_gpu and not fixed and n_gpu_layers < 0 and model.splittable
     if partial_tried:
         contexts = [requested] if requested is not None else sorted({goal, lowest}, reverse=True)
@@ -486,7 +238,8 @@ def choose_context(
         if found is not None:
             n_ctx, layers = found
             what = "the requested context" if requested is not None else f"context {n_ctx}"
-            return decide(
+            return _decision(
+                ask,
                 n_ctx,
                 f"{what} with partial offload",
                 model.offloaded(n_ctx, layers + 1),
@@ -500,6 +253,59 @@ def choose_context(
                    reserve_bytes=reserve_bytes,
                    partial=f"; not even one of the {n_layer} layers fits on the GPU with the"
                    " rest in RAM" if partial_tried else "")
+
+
+class _Ask(NamedTuple):
+    """What a :func:`choose_context` call was asked, as its decision reports it."""
+
+    requested: int | None
+    native: int
+    free_bytes: int
+    reserve_bytes: int
+    memory_kind: str
+    opts: KvOptions
+    n_layer: int
+    n_gpu_layers: int
+
+
+def _placement(model: _Model, n_layer: int, n_gpu_layers: int, on_gpu: bool,
+               fixed: bool) -> tuple[Callable[[int], Need], int, str]:
+    """(bytes needed per context, layers on the GPU, how they are placed) before any split."""
+    if fixed:
+        def need(n_ctx: int) -> Need:
+            return model.offloaded(n_ctx, n_gpu_layers)
+
+        layers = max(0, n_gpu_layers - 1)
+        return need, layers, (
+            f"{layers} of {n_layer} layers on the GPU, as configured (n_gpu_layers {n_gpu_layers})")
+    placement = f"all {n_layer} layers on the GPU" if on_gpu else f"all {n_layer} layers in RAM"
+    return model.full, n_layer, placement
+
+
+def _decision(ask: _Ask, n_ctx: int, reason: str, need: Need, layers: int, engine_layers: int,
+              placement: str) -> ContextDecision:
+    return ContextDecision(
+        n_ctx=n_ctx,
+        automatic=ask.requested is None,
+        requested=ask.requested,
+        native_ctx=ask.native,
+        kv_bytes=need.kv,
+        compute_bytes=need.compute,
+        weight_bytes=need.weights,
+        reserve_bytes=ask.reserve_bytes,
+        needed_bytes=need.total,
+        free_bytes=ask.free_bytes,
+        memory_kind=ask.memory_kind,
+        cache_type_k=ask.opts.cache_type_k,
+        cache_type_v=ask.opts.cache_type_v,
+        reason=reason,
+        n_layer=ask.n_layer,
+        layers_placed=layers,
+        n_gpu_layers=engine_layers,
+        n_gpu_layers_asked=ask.n_gpu_layers,
+        placement=placement,
+        host_bytes=need.host,
+    )
 
 
 def _refusal(need: Callable[[int], Need], *, requested: int | None, lowest: int,
@@ -550,83 +356,3 @@ def _largest_fitting(
         else:
             hi = mid - 1
     return best
-
-
-def visible_devices(environ: Mapping[str, str]) -> list[str] | None:
-    """CUDA_VISIBLE_DEVICES as a list of entries; None when unset (all visible)."""
-    value = environ.get("CUDA_VISIBLE_DEVICES")
-    if value is None:
-        return None
-    out: list[str] = []
-    for part in (p.strip() for p in value.split(",")):
-        # CUDA stops enumerating at the first invalid entry (e.g. -1).
-        if not part or part.startswith("-"):
-            break
-        out.append(part)
-    return out
-
-
-def parse_smi(output: str) -> list[DeviceMemory]:
-    devices = []
-    for line in output.strip().splitlines():
-        fields = [f.strip() for f in line.split(",")]
-        if len(fields) != 4:
-            raise ValueError(f"unexpected nvidia-smi line: {line!r}")
-        index, uuid, free, total = fields
-        devices.append(DeviceMemory(int(index), uuid, int(free) * _MIB, int(total) * _MIB))
-    return devices
-
-
-def _select(devices: list[DeviceMemory], wanted: list[str] | None) -> list[DeviceMemory]:
-    if wanted is None:
-        return devices
-    chosen = []
-    for entry in wanted:
-        match = [d for d in devices if str(d.index) == entry or d.uuid.startswith(entry)]
-        if not match:
-            break  # CUDA ignores everything after an unknown device
-        chosen.append(match[0])
-    return chosen
-
-
-def run_nvidia_smi() -> str:
-    """nvidia-smi's memory query output; raises OSError / CalledProcessError."""
-    done = subprocess.run(
-        ["nvidia-smi", _SMI_QUERY, "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-        timeout=10,
-        check=True,
-    )
-    return done.stdout
-
-
-def free_memory(
-    environ: Mapping[str, str] | None = None, smi: Callable[[], str] = run_nvidia_smi
-) -> MemorySnapshot:
-    """Free memory of the visible GPUs, or of system RAM when there is none."""
-    environ = os.environ if environ is None else environ
-    wanted = visible_devices(environ)
-    note: str | None = None
-    if wanted == []:
-        note = "CUDA_VISIBLE_DEVICES hides every GPU"
-    else:
-        try:
-            devices = _select(parse_smi(smi()), wanted)
-        except FileNotFoundError:
-            note = "nvidia-smi not found"
-        except (OSError, subprocess.SubprocessError, ValueError) as exc:
-            note = f"nvidia-smi failed: {exc}"
-        else:
-            if devices:
-                return MemorySnapshot(
-                    kind="gpu",
-                    devices=devices,
-                    free_bytes=sum(d.free_bytes for d in devices),
-                    total_bytes=sum(d.total_bytes for d in devices),
-                )
-            note = "no visible GPU"
-    vm = psutil.virtual_memory()
-    return MemorySnapshot(
-        kind="ram", free_bytes=int(vm.available), total_bytes=int(vm.total), note=note
-    )

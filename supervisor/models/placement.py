@@ -20,14 +20,10 @@ from supervisor.models.gguf_info import (
     TensorSizes,
     read_tensor_sizes,
 )
+from supervisor.models.kvsize import KvOptions
 from supervisor.models.library import ModelEntry
-from supervisor.models.memfit import (
-    ContextDecision,
-    KvOptions,
-    MemorySnapshot,
-    choose_context,
-    free_memory,
-)
+from supervisor.models.memfit import ContextDecision, choose_context
+from supervisor.models.memory import MemorySnapshot, free_memory
 
 log = logging.getLogger("gpuvisor.placement")
 

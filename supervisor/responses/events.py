@@ -27,7 +27,7 @@ from typing import Any, Literal, NamedTuple
 
 import msgspec
 
-from supervisor.generation.parse import Piece, Reasoning, Text, ToolCall
+from supervisor.generation.pieces import Piece, Reasoning, Text, ToolCall
 from supervisor.responses.items import (
     FunctionCallItem,
     Item,

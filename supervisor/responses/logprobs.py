@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from supervisor.generation.parse import Piece, Text
+from supervisor.generation.pieces import Piece, Text
 from worker.protocol import TokenLogprob, TopLogprob
 
 # Alternatives per token position that ``top_logprobs`` may ask for (as OpenAI).

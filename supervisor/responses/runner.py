@@ -10,20 +10,16 @@ always ending with exactly one terminal event.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from supervisor.errors import ApiError, BadRequest, ModelNotFound, Unavailable
 from supervisor.generation.grammar import tool_call_grammar
+from supervisor.generation.harmony import HarmonyParser
 from supervisor.generation.images import require_vision
-from supervisor.generation.parse import (
-    HarmonyParser,
-    OutputParser,
-    Piece,
-    StreamParser,
-    ToolCall,
-)
+from supervisor.generation.parse import OutputParser
+from supervisor.generation.pieces import Piece, StreamParser, ToolCall
 from supervisor.generation.profile import TemplateProfile, profile_for
 from supervisor.generation.tools import FunctionTool, NamedFunction, Offer, PlanChoice
 from supervisor.responses.convert import collect_images, template_tools, to_messages
@@ -105,13 +101,6 @@ class Plan:
             return pieces
         return [p._replace(namespace=self.namespaces[p.name][0], name=self.namespaces[p.name][1])
                 if isinstance(p, ToolCall) and p.name in self.namespaces else p for p in pieces]
-
-    def blamed(self, chat_param: str) -> str:
-        """This request's field for a chat field the pool named in an error."""
-        if chat_param == "messages":
-            return "input"
-        # A grammar comes from the output format, else from a forced tool call.
-        return "text.format" if self.json_output else "tool_choice"
 
     def parser(self) -> StreamParser:
         parser = self._parser()
@@ -273,10 +262,16 @@ async def admit(pool: GenerationPool, model: str, plan: Plan, request_id: str = 
 
 
 def in_responses_terms(exc: BadRequest, plan: Plan) -> BadRequest:
-    """The pool names chat fields; say which Responses field it was."""
-    if exc.param in ("messages", "response_format"):
-        return BadRequest(exc.message, param=plan.blamed(exc.param), code=exc.code)
-    return exc
+    """The one place a worker's rejection gets its Responses field: the pool
+    names chat fields (the prompt's ``messages``, the grammar's ``response_format``)."""
+    if exc.param == "messages":
+        field_name = "input"
+    elif exc.param == "response_format":
+        # A grammar comes from the output format, else from a forced tool call.
+        field_name = "text.format" if plan.json_output else "tool_choice"
+    else:
+        return exc
+    return BadRequest(exc.message, param=field_name, code=exc.code)
 
 
 async def run(
@@ -320,29 +315,28 @@ async def run(
         finally:
             # Leaving early (client gone, cancelled) cancels the generation.
             await outputs.aclose()
-    except (ModelNotFound, Unavailable, BadRequest) as exc:
-        if raise_early and not produced:
+    except ApiError as exc:
+        if raise_early and not produced and isinstance(exc, (ModelNotFound, Unavailable, BadRequest)):
             if isinstance(exc, BadRequest):
                 raise in_responses_terms(exc, plan) from exc
             raise
         for event in builder.failed(exc.code or "server_error", exc.message):
             yield event
         return
-    except ApiError as exc:
-        for event in builder.failed(exc.code or "server_error", exc.message):
-            yield event
-        return
-    pieces = plan.named(parser.finish())
-    for event in builder.pieces(pieces, text_logprobs.take(None, pieces) if text_logprobs else None):
+    for event in _ending(plan, parser, builder, text_logprobs, done, reasoning_tokens):
         yield event
+
+
+def _ending(plan: Plan, parser: StreamParser, builder: EventBuilder, text_logprobs: TextLogprobs | None,
+            done: Done | None, reasoning_tokens: int) -> Iterator[Event]:
+    """The events after the last output: what the parser held, then the one terminal event."""
+    pieces = plan.named(parser.finish())
+    yield from builder.pieces(pieces, text_logprobs.take(None, pieces) if text_logprobs else None)
     if done is None:
-        for event in builder.failed("server_error", "the model worker ended the stream without finishing"):
-            yield event
+        yield from builder.failed("server_error", "the model worker ended the stream without finishing")
         return
     usage = Usage.of(done.prompt_tokens, done.completion_tokens, done.cached_tokens, reasoning_tokens)
     if done.finish_reason == "cancelled":
-        for event in builder.failed("cancelled", "the model worker cancelled the generation", usage):
-            yield event
+        yield from builder.failed("cancelled", "the model worker cancelled the generation", usage)
         return
-    for event in builder.completed(usage, truncated=done.finish_reason == "length"):
-        yield event
+    yield from builder.completed(usage, truncated=done.finish_reason == "length")

@@ -15,7 +15,7 @@ import sys
 
 import msgspec
 
-from supervisor.models.memfit import parse_smi, run_nvidia_smi
+from supervisor.models.memory import parse_smi, run_nvidia_smi
 
 log = logging.getLogger("gpuvisor.engine")
 

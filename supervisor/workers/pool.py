@@ -21,43 +21,23 @@ from supervisor.config import (
     ModelSettings,
     parse_duration,
 )
-from supervisor.errors import (
-    NO_RETRY,
-    ApiError,
-    BadRequest,
-    ModelFailed,
-    ModelNotFound,
-    Unavailable,
-    UpstreamError,
-)
+from supervisor.errors import BadRequest, ModelFailed, ModelNotFound, Unavailable
 from supervisor.models.library import ModelEntry
-from supervisor.models.memfit import (
-    ContextDecision,
-    DoesNotFit,
-    MemorySnapshot,
-    free_memory,
-)
-from supervisor.models.placement import FALLBACK_CTX, measure_free, plan_load
+from supervisor.models.memfit import ContextDecision
+from supervisor.models.placement import FALLBACK_CTX
 from supervisor.models.source import LibrarySource
-from supervisor.workers.handle import (
-    NotAccepting,
-    Pending,
-    QueueFull,
-    Timing,
-    WorkerGone,
-    WorkerHandle,
-    WorkerSpec,
-    WorkerState,
-)
+from supervisor.workers.handle import NotAccepting, WorkerHandle, WorkerState
 from supervisor.workers.poison import PoisonTracker, fingerprint
+from supervisor.workers.queue import Pending, QueueFull, WorkerGone
+from supervisor.workers.replies import Generation, as_api_error
+from supervisor.workers.room import Room
+from supervisor.workers.spec import Timing, WorkerSpec
 from worker import protocol as p
 
-log = logging.getLogger("gpuvisor.pool")
+# Generation: the routes stream an admitted completion through it.
+__all__ = ["Generation", "PoolConfig", "WorkerPool", "describe"]
 
-# Worker error codes that are the client's fault.
-_CLIENT_ERRORS = {"context_length_exceeded", "template_error", "invalid_grammar", "invalid_request",
-                  # The worker's checks on a request's images (the parent checks them first).
-                  "invalid_image", "image_too_large", "too_many_images", "vision_unavailable"}
+log = logging.getLogger("gpuvisor.pool")
 
 
 Admission = Callable[[str], str | None]
@@ -76,11 +56,6 @@ class PoolConfig(Protocol):
     def model_settings(self, model_id: str) -> ModelSettings: ...
 
 
-# How a client or its admin gets a longer context (the 400 says it).
-CONTEXT_HINT = ("For a longer context, load the model with a larger n_ctx: the n_ctx setting "
-                "(or [model_defaults.\"<model>\"] n_ctx in the config), or POST /api/models/<model>/load "
-                "with {\"n_ctx\": N}")
-
 # Inputs per Embed message to a worker.
 EMBED_BATCH = 32
 
@@ -92,7 +67,8 @@ def _no_lease(_device: str) -> str | None:
 class WorkerPool:
     def __init__(self, models: LibrarySource, cfg: PoolConfig, timing: Timing,
                  run_dir: Path, log_dir: Path, admission: Admission = _no_lease,
-                 device: str = "cpu", reap_interval: float = 0.25) -> None:
+                 device: str = "cpu", reap_interval: float = 0.25,
+                 clock: Callable[[], float] | None = None) -> None:
         self.models = models
         self.cfg = cfg
         self.timing = timing
@@ -101,11 +77,13 @@ class WorkerPool:
         self.admission = admission
         self.device = device
         self.reap_interval = reap_interval
+        self._clock = clock
         self.handles: dict[tuple[str, bool], WorkerHandle] = {}
         self.fits: dict[tuple[str, bool], ContextDecision | None] = {}
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
+        self.room = Room(cfg, self.handles, self.fits, self._drop, self._changed)
         # Observers of finished generations (metrics): called with (model, Done).
         self.on_done: list[Callable[[str, p.Done], None]] = []
         # Requests in flight during worker crashes (supervisor/workers/poison.py).
@@ -146,7 +124,7 @@ class WorkerPool:
             own = self.cfg.model_defaults.get(model_id)
             explicit_ctx = bool(options and options.n_ctx) or (own is not None and own.n_ctx is not None)
             # Before anything is stopped for it: a load that can never fit evicts nothing.
-            await self._check_fits_at_all(entry, settings, explicit_ctx, self._parallel(settings), embedding)
+            await self.room.check_fits_at_all(entry, settings, explicit_ctx, self._parallel(settings), embedding)
             if handle is not None:
                 await self._drop(key, f"model {model_id} is being reloaded with new settings")
             return await self._start_handle(key, entry, settings, explicit_ctx)
@@ -174,8 +152,8 @@ class WorkerPool:
                             explicit_ctx: bool) -> WorkerHandle:
         model_id, embedding = key
         parallel = self._parallel(settings)
-        await self._make_room_by_count(model_id)
-        decision = await self._fit(entry, settings, explicit_ctx, parallel, embedding)
+        await self.room.make_room_by_count(model_id)
+        decision = await self.room.fit(entry, settings, explicit_ctx, parallel, embedding)
         n_ctx = decision.n_ctx if decision is not None else (settings.n_ctx or self.cfg.n_ctx or FALLBACK_CTX)
         gpu_layers = settings.n_gpu_layers if settings.n_gpu_layers is not None else -1
         if decision is not None:
@@ -185,7 +163,7 @@ class WorkerPool:
                           settings.draft_ngram or 0, parallel,
                           # An embedding worker never takes images.
                           mmproj=Path(entry.mmproj) if entry.mmproj and not embedding else None)
-        handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit)
+        handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit, self._clock)
         handle.keep_alive = parse_duration(settings.keep_alive or 0)
         handle.crash_counts = lambda in_flight: self.poison.crashed(
             fingerprint(model_id, pend.msg) for pend in in_flight)
@@ -195,73 +173,6 @@ class WorkerPool:
         self._signal()
         return handle
 
-    async def _check_fits_at_all(self, entry: ModelEntry, settings: ModelSettings,
-                                 explicit_ctx: bool, parallel: int, embedding: bool) -> None:
-        """Raise DoesNotFit (400, param n_ctx) when the load would not fit even
-        in all of the memory (or the whole budget) with no model loaded: then
-        no eviction or wait can help, and none is made."""
-        snap: MemorySnapshot = await asyncio.to_thread(free_memory)
-        ceiling = snap.total_bytes
-        if self.cfg.memory_budget_mib > 0:
-            ceiling = min(ceiling, self.cfg.memory_budget_mib << 20)
-        await asyncio.to_thread(
-            plan_load, entry, settings, explicit_ctx=explicit_ctx, target_ctx=self.cfg.n_ctx,
-            min_ctx=self.cfg.min_ctx, free_bytes=ceiling, memory_kind=snap.kind, slots=parallel,
-            embedding=embedding)
-
-    async def _fit(self, entry: ModelEntry, settings: ModelSettings,
-                   explicit_ctx: bool, parallel: int, embedding: bool) -> ContextDecision | None:
-        deadline = asyncio.get_running_loop().time() + self.cfg.load_wait_timeout
-        while True:
-            committed = [f.needed_bytes for f in self.fits.values() if f is not None]
-            free, kind = await measure_free(self.cfg.memory_budget_mib << 20, committed)
-            try:
-                # In a thread: it reads the headers of a shard set's further files.
-                decision = await asyncio.to_thread(
-                    plan_load, entry, settings, explicit_ctx=explicit_ctx, target_ctx=self.cfg.n_ctx,
-                    min_ctx=self.cfg.min_ctx, free_bytes=free, memory_kind=kind, slots=parallel,
-                    embedding=embedding)
-                # Idle models give way before layers go to the CPU; busy ones are not waited for.
-                if decision is not None and decision.partial_offload and await self._evict_lru(
-                        f"evicted to make room for all layers of {entry.id}"):
-                    continue
-                return decision
-            except DoesNotFit:
-                if await self._evict_lru(f"evicted to make room for {entry.id}"):
-                    continue
-                if not self._others_loaded() or not await self._wait_change(deadline):
-                    raise
-                # A busy model may go idle (then it can be evicted): try again.
-
-    async def _make_room_by_count(self, model_id: str) -> None:
-        deadline = asyncio.get_running_loop().time() + self.cfg.load_wait_timeout
-        while len(self._live()) >= self.cfg.max_loaded_models:
-            if await self._evict_lru(f"evicted to make room for {model_id}"):
-                continue
-            if not await self._wait_change(deadline):
-                raise Unavailable(
-                    f"all {self.cfg.max_loaded_models} loaded models are busy; "
-                    f"'{model_id}' cannot be loaded now", retry_after=5, code="no_capacity")
-
-    def _live(self) -> list[WorkerHandle]:
-        # Failed and stopped handles hold no process and no memory.
-        return [h for h in self.handles.values()
-                if h.state not in (WorkerState.FAILED, WorkerState.STOPPED)]
-
-    def _others_loaded(self) -> bool:
-        return bool(self._live())
-
-    async def _evict_lru(self, reason: str) -> bool:
-        """Stop the least recently used idle worker; False when none is idle."""
-        idle = [(h.last_used, key) for key, h in self.handles.items()
-                if not h.busy and h.state is not WorkerState.STARTING]
-        if not idle:
-            return False
-        _, key = min(idle)
-        log.info("%s: stopping idle %s", reason, key[0])
-        await self._drop(key, reason)
-        return True
-
     async def _drop(self, key: tuple[str, bool], reason: str) -> None:
         handle = self.handles.pop(key, None)
         self.fits.pop(key, None)
@@ -269,38 +180,29 @@ class WorkerPool:
             await handle.stop(reason, "evicted")
         self._signal()
 
-    async def _wait_change(self, deadline: float) -> bool:
-        """Wait for any handle to change state; False once the deadline passed."""
-        loop = asyncio.get_running_loop()
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            return False
-        waiters = [asyncio.ensure_future(h.changed.wait()) for h in self.handles.values()]
-        waiters.append(asyncio.ensure_future(self._changed.wait()))
-        for h in self.handles.values():
-            h.changed.clear()
-        self._changed.clear()
-        try:
-            await asyncio.wait(waiters, timeout=min(remaining, 1.0), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waiters:
-                w.cancel()
-        return True
-
     def _signal(self) -> None:
         self._changed.set()
 
     async def _reap_idle(self) -> None:
-        """Unload workers idle for longer than their keep-alive."""
         while True:
             await asyncio.sleep(self.reap_interval)
-            now = asyncio.get_running_loop().time()
-            for key, h in list(self.handles.items()):
-                if h.busy or h.keep_alive < 0 or h.state is not WorkerState.READY:
-                    continue
-                if now - h.last_used >= h.keep_alive:
-                    log.info("unloading %s: idle for %.0fs (keep-alive)", key[0], now - h.last_used)
-                    await self._drop(key, "keep-alive expired")
+            await self.reap_once(self.now())
+
+    async def reap_once(self, now: float) -> list[str]:
+        """Unload workers idle for longer than their keep-alive at ``now``; the models unloaded."""
+        unloaded = []
+        for key, h in list(self.handles.items()):
+            if h.busy or h.keep_alive < 0 or h.state is not WorkerState.READY:
+                continue
+            if now - h.last_used >= h.keep_alive:
+                log.info("unloading %s: idle for %.0fs (keep-alive)", key[0], now - h.last_used)
+                await self._drop(key, "keep-alive expired")
+                unloaded.append(key[0])
+        return unloaded
+
+    def now(self) -> float:
+        """The pool's clock, which its handles share (the event loop's unless one was given)."""
+        return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
 
     async def unload(self, model_id: str) -> bool:
         keys = [k for k in self.handles if k[0] == model_id]
@@ -389,7 +291,7 @@ class WorkerPool:
             handle.keep_alive = keep_alive
         msg = p.Generate(0, params or p.SamplingParams(), messages, prompt, tools,
                          template_vars or {}, request_id, images or [])
-        return Generation(self, model, handle, self._submit(handle, msg))
+        return Generation(self.on_done, model, handle, self._submit(handle, msg))
 
     async def _call(self, model: str, embedding: bool, msg: p.Embed | p.Tokenize) -> p.FromWorker:
         handle = await self.load(model, embedding)
@@ -399,7 +301,7 @@ class WorkerPool:
         finally:
             handle.cancel(pend)
         if isinstance(ev, (p.Error, WorkerGone)):
-            raise _as_api_error(ev, msg)
+            raise as_api_error(ev, msg)
         return ev
 
     async def embed(self, model: str, inputs: list[str]) -> p.Embeddings:
@@ -466,100 +368,3 @@ def describe(h: WorkerHandle) -> dict[str, Any]:
     }
 
 
-class Generation:
-    """The outputs of one admitted completion, ending with ``Done``.
-
-    ``aclose()`` withdraws or cancels it in the worker (a no-op once it has
-    finished); unlike a generator's, it works even if never iterated.
-    """
-
-    def __init__(self, pool: WorkerPool, model: str, handle: WorkerHandle, pend: Pending) -> None:
-        self._pool = pool
-        self._model = model
-        self._handle = handle
-        self._pend = pend
-        self._ended = False
-        # An output ``accepted()`` read past the worker's Started, kept for iteration.
-        self._ahead: p.FromWorker | WorkerGone | None = None
-        self._accepted = False
-
-    def __aiter__(self) -> Generation:
-        return self
-
-    async def accepted(self) -> None:
-        """Wait until the worker takes the request (its prompt fits, prefill
-        begins). A rejection (too long, bad grammar, worker gone) raises here
-        as an ``ApiError``. Cancelling the wait leaves the request queued."""
-        if self._ended or self._accepted:
-            return
-        ev = await self._pend.events.get()
-        self._accepted = True
-        if isinstance(ev, p.Started):
-            return
-        self._ahead = ev
-        if not isinstance(ev, (p.Delta, p.Done)):
-            await self.aclose()
-            raise _as_api_error(ev, self._pend.msg)
-
-    async def _next(self) -> p.FromWorker | WorkerGone:
-        if self._ahead is not None:
-            ev, self._ahead = self._ahead, None
-            return ev
-        while isinstance(ev := await self._pend.events.get(), p.Started):
-            self._accepted = True
-        return ev
-
-    async def __anext__(self) -> p.Delta | p.Done:
-        if self._ended:
-            raise StopAsyncIteration
-        try:
-            ev = await self._next()
-        except BaseException:
-            await self.aclose()
-            raise
-        if isinstance(ev, p.Delta):
-            return ev
-        await self.aclose()
-        if isinstance(ev, p.Done):
-            for observe in self._pool.on_done:
-                observe(self._model, ev)
-            return ev
-        raise _as_api_error(ev, self._pend.msg)
-
-    async def aclose(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self._handle.cancel(self._pend)
-
-
-def _blamed_param(code: str, msg: p.Generate | p.Embed | p.Tokenize) -> str | None:
-    """The request field a worker-side client error is about."""
-    if code == "invalid_grammar":
-        return "response_format"
-    if code in ("context_length_exceeded", "template_error", "invalid_image", "image_too_large",
-                "too_many_images", "vision_unavailable"):
-        if isinstance(msg, p.Generate):
-            return "messages" if msg.messages is not None else "prompt"
-        return "input"
-    return None
-
-
-def _as_api_error(ev: p.Error | WorkerGone | p.FromWorker, msg: p.Generate | p.Embed | p.Tokenize) -> ApiError:
-    if isinstance(ev, WorkerGone):
-        if ev.code == "worker_crashed":
-            # The same request may crash the restarted worker again.
-            return UpstreamError(ev.message, code=ev.code, headers=dict(NO_RETRY))
-        if ev.code == "evicted":
-            return UpstreamError(ev.message, code=ev.code)
-        if ev.code == "model_failed":
-            return ModelFailed(ev.message)
-        return Unavailable(ev.message, retry_after=5, code=ev.code)
-    if isinstance(ev, p.Error):
-        if ev.code == "context_length_exceeded":
-            return BadRequest(f"{ev.message}. {CONTEXT_HINT}", code=ev.code, param=_blamed_param(ev.code, msg))
-        if ev.code in _CLIENT_ERRORS:
-            return BadRequest(ev.message, code=ev.code, param=_blamed_param(ev.code, msg))
-        if ev.code == "busy":
-            return Unavailable(ev.message, retry_after=1, code="worker_busy")
-        return UpstreamError(ev.message, code=ev.code)
-    return UpstreamError(f"unexpected worker reply {type(ev).__name__}")

@@ -1,0 +1,73 @@
+"""The admin sign-in page: ``GET /login``, ``POST /login`` (sets the session
+cookie) and ``POST /logout``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+from aiohttp import web
+
+from supervisor.appkeys import AUTH, CONFIG
+from supervisor.errors import PayloadTooLarge, RequestTimeout
+
+SESSION_COOKIE = "gpuvisor_session"
+# The login form is one token: a few KiB, not the API's body limit.
+LOGIN_MAX_BYTES = 4096
+
+_LOGIN_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>gpuvisor: sign in</title></head>
+<body><main><h1>gpuvisor</h1>
+<form method="post" action="login">
+<label>Admin token <input type="password" name="token" autocomplete="current-password" required></label>
+<button type="submit">Sign in</button>
+</form>%s</main></body></html>
+"""
+
+
+async def login_page(request: web.Request) -> web.Response:
+    return web.Response(text=_LOGIN_PAGE % "", content_type="text/html")
+
+
+async def _login_form(request: web.Request) -> Mapping[str, object]:
+    """The form, read under a small limit and the body timeout (as JSON bodies are)."""
+    cfg = request.app[CONFIG]
+    too_large = PayloadTooLarge(f"the login form is limited to {LOGIN_MAX_BYTES} bytes")
+    if request.content_length is not None and request.content_length > LOGIN_MAX_BYTES:
+        raise too_large
+    small = request.clone(client_max_size=LOGIN_MAX_BYTES)
+    try:
+        async with asyncio.timeout(cfg.body_timeout):
+            return await small.post()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise too_large from exc
+    except TimeoutError as exc:
+        raise RequestTimeout(f"the request body did not arrive within {cfg.body_timeout:g} s") from exc
+
+
+async def login(request: web.Request) -> web.StreamResponse:
+    auth = request.app[AUTH]
+    token = (await _login_form(request)).get("token")
+    if not await auth.check_admin_token(token if isinstance(token, str) else "", request.remote or ""):
+        return web.Response(text=_LOGIN_PAGE % "<p>Wrong token.</p>", status=401, content_type="text/html")
+    # Relative redirects keep working when a proxy serves us under a path.
+    resp = web.Response(status=303, headers={"Location": "./"})
+    resp.set_cookie(SESSION_COOKIE, auth.new_session(), httponly=True, samesite="Strict",
+                    secure=request.scheme == "https", path="/", max_age=int(auth.session_ttl))
+    return resp
+
+
+async def logout(request: web.Request) -> web.StreamResponse:
+    sid = request.cookies.get(SESSION_COOKIE)
+    if sid:
+        request.app[AUTH].end_session(sid)
+    resp = web.Response(status=303, headers={"Location": "login"})
+    resp.del_cookie(SESSION_COOKIE, path="/")
+    return resp
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/login", login_page)
+    app.router.add_post("/login", login)
+    app.router.add_post("/logout", logout)
+

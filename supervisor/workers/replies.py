@@ -1,0 +1,132 @@
+"""What comes back from a worker, as the pool's callers see it.
+
+``Generation`` streams one admitted completion's outputs; ``as_api_error``
+turns a worker's error or a ``WorkerGone`` into the typed API error
+(supervisor/errors.py) a route answers with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from supervisor.errors import (
+    NO_RETRY,
+    ApiError,
+    BadRequest,
+    ModelFailed,
+    Unavailable,
+    UpstreamError,
+)
+from supervisor.workers.handle import WorkerHandle
+from supervisor.workers.queue import Pending, WorkerGone
+from worker import protocol as p
+
+# Worker error codes that are the client's fault.
+_CLIENT_ERRORS = {"context_length_exceeded", "template_error", "invalid_grammar", "invalid_request",
+                  # The worker's checks on a request's images (the parent checks them first).
+                  "invalid_image", "image_too_large", "too_many_images", "vision_unavailable"}
+
+# How a client or its admin gets a longer context (the 400 says it).
+CONTEXT_HINT = ("For a longer context, load the model with a larger n_ctx: the n_ctx setting "
+                "(or [model_defaults.\"<model>\"] n_ctx in the config), or POST /api/models/<model>/load "
+                "with {\"n_ctx\": N}")
+
+
+class Generation:
+    """The outputs of one admitted completion, ending with ``Done``.
+
+    ``aclose()`` withdraws or cancels it in the worker (a no-op once it has
+    finished); unlike a generator's, it works even if never iterated.
+    """
+
+    def __init__(self, on_done: list[Callable[[str, p.Done], None]], model: str, handle: WorkerHandle,
+                 pend: Pending) -> None:
+        self._on_done = on_done
+        self._model = model
+        self._handle = handle
+        self._pend = pend
+        self._ended = False
+        # An output ``accepted()`` read past the worker's Started, kept for iteration.
+        self._ahead: p.FromWorker | WorkerGone | None = None
+        self._accepted = False
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def accepted(self) -> None:
+        """Wait until the worker takes the request (its prompt fits, prefill
+        begins). A rejection (too long, bad grammar, worker gone) raises here
+        as an ``ApiError``. Cancelling the wait leaves the request queued."""
+        if self._ended or self._accepted:
+            return
+        ev = await self._pend.events.get()
+        self._accepted = True
+        if isinstance(ev, p.Started):
+            return
+        self._ahead = ev
+        if not isinstance(ev, (p.Delta, p.Done)):
+            await self.aclose()
+            raise as_api_error(ev, self._pend.msg)
+
+    async def _next(self) -> p.FromWorker | WorkerGone:
+        if self._ahead is not None:
+            ev, self._ahead = self._ahead, None
+            return ev
+        while isinstance(ev := await self._pend.events.get(), p.Started):
+            self._accepted = True
+        return ev
+
+    async def __anext__(self) -> p.Delta | p.Done:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            ev = await self._next()
+        except BaseException:
+            await self.aclose()
+            raise
+        if isinstance(ev, p.Delta):
+            return ev
+        await self.aclose()
+        if isinstance(ev, p.Done):
+            for observe in self._on_done:
+                observe(self._model, ev)
+            return ev
+        raise as_api_error(ev, self._pend.msg)
+
+    async def aclose(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._handle.cancel(self._pend)
+
+
+def _blamed_param(code: str, msg: p.Generate | p.Embed | p.Tokenize) -> str | None:
+    """The request field a worker-side client error is about."""
+    if code == "invalid_grammar":
+        return "response_format"
+    if code in ("context_length_exceeded", "template_error", "invalid_image", "image_too_large",
+                "too_many_images", "vision_unavailable"):
+        if isinstance(msg, p.Generate):
+            return "messages" if msg.messages is not None else "prompt"
+        return "input"
+    return None
+
+
+def as_api_error(ev: p.Error | WorkerGone | p.FromWorker, msg: p.Generate | p.Embed | p.Tokenize) -> ApiError:
+    if isinstance(ev, WorkerGone):
+        if ev.code == "worker_crashed":
+            # The same request may crash the restarted worker again.
+            return UpstreamError(ev.message, code=ev.code, headers=dict(NO_RETRY))
+        if ev.code == "evicted":
+            return UpstreamError(ev.message, code=ev.code)
+        if ev.code == "model_failed":
+            return ModelFailed(ev.message)
+        return Unavailable(ev.message, retry_after=5, code=ev.code)
+    if isinstance(ev, p.Error):
+        if ev.code == "context_length_exceeded":
+            return BadRequest(f"{ev.message}. {CONTEXT_HINT}", code=ev.code, param=_blamed_param(ev.code, msg))
+        if ev.code in _CLIENT_ERRORS:
+            return BadRequest(ev.message, code=ev.code, param=_blamed_param(ev.code, msg))
+        if ev.code == "busy":
+            return Unavailable(ev.message, retry_after=1, code="worker_busy")
+        return UpstreamError(ev.message, code=ev.code)
+    return UpstreamError(f"unexpected worker reply {type(ev).__name__}")
