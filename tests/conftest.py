@@ -2,10 +2,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from supervisor.models.demo import write_tiny_gguf
+from tests.browser import launch, require_browser
 from tests.server import Server, running, short_tempdir
 
 
@@ -35,3 +37,11 @@ def start_server() -> Iterator[Callable[..., Server]]:
     yield start
     for srv in started:
         srv.cleanup()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """A headless Chromium per test module (skipped where none is installed)."""
+    require_browser()
+    with launch() as b:
+        yield b

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from supervisor.workers.crash import (
     load_failure_reason,
     read_log_tail,
 )
-from tests.browser import DESKTOP, PageWatch, launch, require_browser
+from tests.browser import DESKTOP, PageWatch
 from tests.server import FAST_ENV, REPO, Server, short_tempdir
 
 pytestmark = pytest.mark.timeout(120)
@@ -165,13 +165,6 @@ def test_worker_log_is_for_the_admin_only(tiny_model_path: Path, start_server: C
 
 
 # ---------------------------------------------------------------- the UI
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    require_browser()
-    with launch() as b:
-        yield b
 
 
 def test_ui_shows_a_failed_model_its_reason_and_log(browser: Any, tiny_model_path: Path,

@@ -22,8 +22,6 @@ from tests.browser import (
     DESKTOP,
     NARROW,
     PageWatch,
-    launch,
-    require_browser,
     save_screens,
 )
 from tests.server import Server
@@ -32,13 +30,6 @@ pytestmark = pytest.mark.timeout(90)
 
 # Where a person can look at two of the screenshots after a run.
 SCREENS_COPY = Path(os.environ.get("GPUVISOR_SCREENS_DIR", "/tmp/gpuvisor-screens"))
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    require_browser()
-    with launch() as b:
-        yield b
 
 
 @pytest.fixture(scope="module")

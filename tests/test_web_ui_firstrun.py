@@ -20,19 +20,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.browser import DESKTOP, NARROW, launch, new_page, require_browser, shoot
+from tests.browser import DESKTOP, NARROW, new_page, shoot
 from tests.server import Server, running, short_tempdir
 
 pytestmark = pytest.mark.timeout(120)
 
 SCREENS_COPY = os.environ.get("GPUVISOR_SCREENS_DIR")
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    require_browser()
-    with launch() as b:
-        yield b
 
 
 @pytest.fixture(scope="module")

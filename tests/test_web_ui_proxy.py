@@ -4,13 +4,12 @@ call must stay under the prefix, so the UI works wherever it is mounted."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 
-from tests.browser import DESKTOP, PageWatch, launch, require_browser
+from tests.browser import DESKTOP, PageWatch
 from tests.server import Server
 
 # The nginx and backend fixtures (nginx from systemd/nginx.conf.example).
@@ -27,13 +26,6 @@ def forwarded() -> dict[str, str]:
     # says; the default stand-in for TLS (https) would fail its POSTs'
     # same-origin check. Everything else is the example as shipped.
     return {}
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    require_browser()
-    with launch() as b:
-        yield b
 
 
 def test_ui_under_a_path_prefix(browser: Any, nginx: str, backend: Server) -> None:

@@ -9,18 +9,11 @@ from typing import Any
 
 import pytest
 
-from tests.browser import DESKTOP, launch, new_page, require_browser
+from tests.browser import DESKTOP, new_page
 from tests.server import Server, running, short_tempdir
 from tests.tiny_vision import png, write_tiny_text_model, write_tiny_vision_pair
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    require_browser()
-    with launch() as b:
-        yield b
 
 
 @pytest.fixture(scope="module")
