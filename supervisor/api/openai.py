@@ -8,7 +8,9 @@ template thinks, calls become ``tool_calls`` and ``<think>`` text becomes
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import functools
 import secrets
 import struct
 import time
@@ -298,7 +300,9 @@ async def _reply(request: web.Request, shape: _Shape, choices: list[_Choice], st
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await decode_body(request, ChatRequest)
     images = Images()
-    messages = req.chat_messages(images)
+    # Decoding images and building a forced call's grammar are CPU work on
+    # request data: done in a thread, so the event loop keeps serving.
+    messages = await asyncio.to_thread(req.chat_messages, images)
     params = req.chat_sampling()
     keep_alive = req.keep_alive_s()
     offer = req.tool_offer()
@@ -312,8 +316,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     facts = await pool.facts(req.model)
     require_vision(req.model, images, facts)
     profile = profile_for(facts.chat_template)
-    plan = tool_plan(messages, params, profile, tools=offer.functions, choice=offer.choice,
-                     parallel=req.parallel_calls, template_vars=profile.template_vars(req.reasoning_effort))
+    plan = await asyncio.to_thread(functools.partial(
+        tool_plan, messages, params, profile, tools=offer.functions, choice=offer.choice,
+        parallel=req.parallel_calls, template_vars=profile.template_vars(req.reasoning_effort)))
     async with AsyncExitStack() as stack:
         choices = await _admit(stack, pool, req.model, lambda: Reply.of(plan), _choice_params(plan.params, req.n),
                                messages=plan.messages, tools=plan.tools, template_vars=plan.template_vars,

@@ -108,7 +108,8 @@ class ResponsesService:
         retries = 0
         while True:
             kept_history, kept_items = truncation.without_oldest(history, valid.items, dropped)
-            generation = plan(req, kept_history, kept_items, facts, valid.offer)
+            # CPU work on request data (a forced call's grammar, images): off the loop.
+            generation = await asyncio.to_thread(plan, req, kept_history, kept_items, facts, valid.offer)
             outputs = await admit(self.pool, req.model, generation, request_id)
             try:
                 await self._accepted(outputs, wait_s)
