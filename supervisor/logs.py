@@ -188,6 +188,10 @@ def access_middleware(enabled: bool) -> Middleware:
             status = exc.status
             raise
         finally:
+            if status == 499 and "committed_status" in request:
+                # The answer had started (a stream): as nginx does, log the
+                # status the client was sent, not that it left before the end.
+                status = request["committed_status"]
             if enabled:
                 access.log(access_level(request.method, request.path, status),
                            "%s %s %d", request.method, request.path, status, extra={
@@ -200,7 +204,9 @@ def access_middleware(enabled: bool) -> Middleware:
 
 
 async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    """on_response_prepare: streamed responses get the header too."""
+    """on_response_prepare: streamed responses get the header too, and the
+    access log learns the status that was sent."""
+    request["committed_status"] = response.status
     rid = request.get("request_id")
     if rid and "X-Request-Id" not in response.headers:
         response.headers["X-Request-Id"] = rid

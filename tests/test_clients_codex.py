@@ -140,12 +140,10 @@ def test_codex_exec_completes_a_turn_and_a_resumed_one() -> None:
     assert first["rc"] == 0, first["output"] + results["log"]
     assert resumed["rc"] == 0, resumed["output"] + results["log"]
     # Each turn is one streamed response; the resumed one carries the first turn too.
-    # A resumed turn served from the prompt cache can end within ~50 ms, and
-    # the CLI may close the connection as soon as it has response.completed:
-    # the access log then says 499 for a complete answer, so count requests.
+    # The CLI may close the connection as soon as it has response.completed,
+    # before the handler ends: a stream that had started is still logged 200.
     requests = re.findall(r"POST /v1/responses (\d{3})", results["log"])
-    assert len(requests) == 2 and set(requests) <= {"200", "499"}, resumed["output"] + results["log"]
-    assert requests[0] == "200", results["log"]
+    assert requests == ["200", "200"], resumed["output"] + results["log"]
     assert first["tokens"] and first["tokens"] > 10_000, first["output"]
     assert resumed["tokens"] and resumed["tokens"] > first["tokens"], (first, resumed)
     print(f"codex: {first['tokens']} tokens in {first['seconds']} s, resumed {resumed['tokens']} "

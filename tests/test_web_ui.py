@@ -130,7 +130,8 @@ def test_dataset_upload_job_succeeds(page: tuple[Any, PageWatch], server: Server
     raw = pg.locator("section[aria-label=Result] details.raw-result")
     assert not raw.locator("pre").is_visible()
     raw.locator("summary").click()
-    result = json.loads(raw.locator("pre").inner_text())
+    # text_content: a refresh may redraw the section (folded again) meanwhile.
+    result = json.loads(raw.locator("pre").text_content() or "")
     assert result, "the job's result is shown"
     assert pg.locator(".pct").inner_text() == "100%"
     assert pg.locator(".stream-state").inner_text() == "finished"
