@@ -29,9 +29,9 @@ from supervisor.generation.profile import profile_for
 from supervisor.generation.tools import FunctionTool
 from supervisor.models.demo import write_tiny_gguf
 from supervisor.responses.runner import tool_plan
+from tests.real_templates import FAMILIES, MARKUP, Family, by_name
+from tests.real_templates import WEATHER as REAL_WEATHER
 from tests.server import Server, running, short_tempdir
-from tests.test_real_templates import FAMILIES, MARKUP, Family, by_name
-from tests.test_real_templates import WEATHER as REAL_WEATHER
 from worker.protocol import SamplingParams
 
 pytestmark = pytest.mark.timeout(180)

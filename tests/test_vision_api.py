@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -264,10 +263,7 @@ def test_worker_crash_during_an_image_request(srv: Server, client: openai.OpenAI
         # It finished before the kill landed: try again.
     else:
         pytest.fail("the worker finished before every kill")
-    deadline = time.monotonic() + 30
-    while srv.worker(MODEL)["state"] != "ready" or srv.worker(MODEL)["pid"] == pid:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    srv.wait_worker(lambda w: w["state"] == "ready" and w["pid"] != pid, model=MODEL)
     assert _chat(client, _look(RED)).choices[0].message.content
 
 

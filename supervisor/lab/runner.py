@@ -183,8 +183,9 @@ class JobRunner:
                 return
             try:
                 spec = kind_spec(job.kind)
-            except ParamError:
-                await self.store.finish(job.id, "failed", error=f"unknown job kind {job.kind!r}")
+            except ParamError as exc:
+                # Stored before this kind was removed (or a test-only kind now off).
+                await self.store.finish(job.id, "failed", error=str(exc))
                 continue
             active = ActiveJob(job, spec)
             self._active[job.id] = active
