@@ -1,8 +1,9 @@
 """Application wiring: middleware, routes and the resources the app owns.
 
-Every long-lived resource is created and torn down by a cleanup context, so
-they unwind in reverse order: database, model library (and its watcher), GPU
-lease, worker pool, job runner.
+Every long-lived resource is created and torn down by its own cleanup
+context, so they unwind in reverse order of: database, model library (and its
+watcher), GPU lease, worker pool, job runner. If one fails to start, those
+before it still unwind.
 """
 
 from __future__ import annotations
@@ -140,40 +141,64 @@ async def library_ctx(app: web.Application) -> AsyncIterator[None]:
     await watcher
 
 
-async def lab_ctx(app: web.Application) -> AsyncIterator[None]:
-    """GPU lease, worker pool and job runner: they share the lease."""
+async def lease_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The GPU lease: the devices found at start. It holds no task of its own."""
     cfg = app[CONFIG]
-    lease = GpuLease(await detect_devices(cfg.devices), drain_timeout=cfg.drain_timeout)
+    app[LEASE] = GpuLease(await detect_devices(cfg.devices), drain_timeout=cfg.drain_timeout)
+    yield
+
+
+async def pool_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The worker pool (its reaper task and every worker process)."""
+    cfg = app[CONFIG]
+    lease = app[LEASE]
     source = LibrarySource(app[LIBRARY])
     pool = WorkerPool(source, cfg, timing_from(cfg), cfg.run_path, cfg.state_path / "logs",
                       admission=lease.worker_admission, device=lease.default_device)
     lease.set_users(pool)
     pool.start()
+    app[POOL] = pool
+    try:
+        yield
+    finally:
+        await pool.stop_all()
+
+
+async def runner_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The job runner: boot recovery, the scheduler, and every job process."""
+    cfg = app[CONFIG]
     roots = roots_from(cfg)
     extra_env = {"HF_TOKEN": cfg.hf_token} if cfg.hf_token else {}
     if cfg.hf_cache_dir:
         extra_env["HF_HUB_CACHE"] = cfg.hf_cache_dir
-    runner = JobRunner(JobStore(app[DB]), lease, RunnerSettings(
+    runner = JobRunner(JobStore(app[DB]), app[LEASE], RunnerSettings(
         state_dir=cfg.state_path, roots=roots, python=sys.executable,
         max_concurrent=cfg.max_concurrent_jobs or None, grace_s={},
         heartbeat_timeout_s=cfg.job_heartbeat_timeout, stop_timeout_s=cfg.job_grace_s,
         retention_s=cfg.job_retention_days * 86400, extra_env=extra_env))
-    app[POOL] = pool
-    app[LEASE] = lease
     app[JOB_STORE] = runner.store
     app[JOB_RUNNER] = runner
     app[JOB_SETTINGS] = routes_jobs.JobSettings(
-        roots, max_upload_bytes=cfg.max_upload_bytes, model_lookup=source.resolve,
+        roots, max_upload_bytes=cfg.max_upload_bytes, model_lookup=app[POOL].models.resolve,
         test_job_kinds=cfg.test_job_kinds)
-    await runner.start()
-    for model_id in preload_list(cfg, source):
+    try:
+        await runner.start()
+        yield
+    finally:
+        # Once: the drain (on_shutdown) may have stopped it already.
+        await runner.stop()
+
+
+async def preload_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Load the configured models once everything else is up."""
+    cfg = app[CONFIG]
+    pool = app[POOL]
+    for model_id in preload_list(cfg, pool.models):
         try:
             await pool.load(model_id)
         except ApiError as err:
             log.error("cannot preload %s: %s", model_id, err.message)
     yield
-    await runner.stop()
-    await pool.stop_all()
 
 
 def preload_list(cfg: Config, models: LibrarySource) -> list[str]:
@@ -233,7 +258,8 @@ def build_app(cfg: Config) -> web.Application:
     app[AUTH] = gate
     app[METRICS] = stats
     app[SHUTDOWN] = shutdown.ShutdownState()
-    app.cleanup_ctx.extend([db_ctx, library_ctx, lab_ctx, engine_check_ctx])
+    app.cleanup_ctx.extend([db_ctx, library_ctx, lease_ctx, pool_ctx, runner_ctx, preload_ctx,
+                           engine_check_ctx])
     # After the contexts that provide the database and the pool.
     responses.setup(app, retention_s=cfg.responses_retention_days * 86400,
                     keepalive_s=cfg.responses_keepalive_s)

@@ -159,3 +159,22 @@ def test_second_signal_kills_a_job_still_in_its_grace(
     assert _none_alive(children)
     srv.start()
     assert httpx.get(f"{srv.base_url}/api/jobs/{job_id}").json()["status"] == "interrupted"
+
+
+def test_sighup_rescans_and_keeps_serving(tiny_model_path: Path, start_server: Callable[..., Server]) -> None:
+    # SIGHUP's default action ends a process: `systemctl reload` must not.
+    models = _models(tiny_model_path)
+    srv = start_server(models)
+    assert srv.proc is not None
+    (models / "second.gguf").symlink_to(tiny_model_path)
+    srv.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    ids: list[str] = []
+    while time.monotonic() < deadline and "second" not in ids:
+        time.sleep(0.1)
+        ids = [m["id"] for m in httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"]]
+    assert "second" in ids
+    assert srv.proc.poll() is None
+    assert "received SIGHUP: scanning the models dirs again" in srv.log_text()
+    assert httpx.get(srv.base_url + "/healthz", timeout=10).status_code == 200
+    assert srv.stop(signal.SIGTERM) == 0

@@ -81,6 +81,7 @@ class JobRunner:
         # Final states waiting for disk space (see _record_later).
         self._late_records: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self._stopped: asyncio.Future[None] | None = None
         self._exec = JobExecution(store, lease, settings, self._request_stop, self._signal_stop)
 
     # ------------------------------------------------------------ lifecycle
@@ -99,7 +100,16 @@ class JobRunner:
         return report
 
     async def stop(self) -> None:
-        """Ask running jobs to stop, SIGKILL what is left after the bound."""
+        """Ask running jobs to stop, SIGKILL what is left after the bound.
+
+        Runs once: the shutdown drain and the runner's cleanup context both
+        call it, and the later call waits for the first one's end.
+        """
+        if self._stopped is None:
+            self._stopped = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopped)
+
+    async def _stop(self) -> None:
         self._stopping = True
         for task in [*self._tasks, *self._late_records]:
             task.cancel()

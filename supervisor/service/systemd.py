@@ -186,6 +186,8 @@ Wants=network-online.target
 Type=notify
 NotifyAccess=main
 ExecStart={exec_start} serve --config /etc/gpuvisor/config.toml
+# SIGHUP: scan the models dirs again (`systemctl reload gpuvisor`).
+ExecReload=/bin/kill -HUP $MAINPID
 EnvironmentFile=-/etc/gpuvisor/gpuvisor.env
 Environment=PYTHONUNBUFFERED=1 HOME=/var/lib/gpuvisor
 User={user}
