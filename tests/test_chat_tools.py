@@ -30,6 +30,7 @@ from supervisor.config import Config
 from supervisor.errors import BadRequest
 from supervisor.generation.parse import Reasoning, Text, ToolCall
 from supervisor.workers.pool import WorkerPool
+from supervisor.workers.replies import Blame, Rejected
 from tests.server import Server
 from worker.protocol import ChatMessage, Delta, Done, ModelFacts, SamplingParams
 
@@ -160,7 +161,7 @@ async def test_a_long_prefill_streams_keepalives_until_the_first_token(tmp_path:
                   if line.startswith("data: ") and line != "data: [DONE]"]
         assert accumulate(chunks).choices[0].message.content == "Hello"
         # A rejection after that point can only be the stream's error object.
-        pool.error = BadRequest("the prompt is too long", code="context_length_exceeded", param="messages")
+        pool.error = Rejected("the prompt is too long", code="context_length_exceeded", cause=Blame.PROMPT)
         r = await client.post(url, json=body)
         assert r.status_code == 200 and ": keepalive" in r.text
         assert '"code":"context_length_exceeded"' in r.text
@@ -265,7 +266,7 @@ async def test_forced_choices_set_a_grammar(scripted: tuple[ScriptedPool, str]) 
 
 async def test_a_bad_forced_grammar_blames_tool_choice(scripted: tuple[ScriptedPool, str]) -> None:
     pool, url = scripted
-    pool.error = BadRequest("grammar failed", param="response_format", code="invalid_grammar")
+    pool.error = Rejected("grammar failed", code="invalid_grammar", cause=Blame.GRAMMAR)
     r = await post(url, {"tools": [CLOCK], "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
     r = await post(url, {"response_format": {"type": "json_object"}})

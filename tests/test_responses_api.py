@@ -31,13 +31,14 @@ from supervisor.app import error_middleware
 from supervisor.appkeys import RESPONSES
 from supervisor.config import Config
 from supervisor.db import Database
-from supervisor.errors import BadRequest, UpstreamError
+from supervisor.errors import UpstreamError
 from supervisor.responses import RESPONSES_SCHEMA, setup
 from supervisor.responses.background import BackgroundTasks
 from supervisor.responses.models import CreateRequest, decode_items
 from supervisor.responses.objects import new_response
 from supervisor.responses.store import ResponseStore
 from supervisor.workers.pool import WorkerPool
+from supervisor.workers.replies import Blame, Rejected
 from tests.responses_fake import MODEL, FakePool
 from worker.protocol import ChatMessage, Delta, Done
 
@@ -280,8 +281,8 @@ async def test_keepalive_during_slow_prefill(api: Api) -> None:
 
 
 async def test_prompt_the_worker_rejects_is_a_400_before_the_stream(api: Api) -> None:
-    api.pool.accept = BadRequest("the prompt has 9000 tokens; the model's context is 2048",
-                                 code="context_length_exceeded", param="messages")
+    api.pool.accept = Rejected("the prompt has 9000 tokens; the model's context is 2048",
+                               code="context_length_exceeded", cause=Blame.PROMPT)
     with pytest.raises(openai.BadRequestError) as err:
         await api.client.responses.create(model=MODEL, input="x", stream=True)
     assert err.value.body["code"] == "context_length_exceeded"  # type: ignore[index]

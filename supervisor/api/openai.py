@@ -35,6 +35,7 @@ from supervisor.responses.items import new_id
 from supervisor.responses.logprobs import LogprobEntry, TextLogprobs, chat_logprobs
 from supervisor.responses.runner import Plan, tool_plan
 from supervisor.workers.pool import Generation, WorkerPool
+from supervisor.workers.replies import Blame, Rejected
 from worker.protocol import Delta, Done, SamplingParams, TokenLogprob
 
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
@@ -108,9 +109,10 @@ class Reply:
     """Model text -> pieces: parsed when the plan calls for it, else passed through."""
 
     def __init__(self, parser: StreamParser | None = None, forced_call: bool = False,
-                 logprobs: bool = False) -> None:
+                 logprobs: bool = False, prompt_field: str = "prompt") -> None:
         self._parser = parser
         self.forced_call = forced_call
+        self.prompt_field = prompt_field  # where a chat's prompt is: messages
         self.reasoning_tokens = 0
         self._logprobs = TextLogprobs() if logprobs else None
 
@@ -118,7 +120,7 @@ class Reply:
     def of(cls, plan: Plan) -> Reply:
         parses = bool(plan.tool_names) or plan.profile.thinks
         return cls(plan.parser() if parses else None, forced_call=plan.forced_call,
-                   logprobs=plan.params.logprobs is not None)
+                   logprobs=plan.params.logprobs is not None, prompt_field="messages")
 
     def _with_logprobs(self, pieces: list[Piece], tokens: list[TokenLogprob] | None) -> Pieces:
         return pieces, self._logprobs.take(tokens, pieces) if self._logprobs is not None else None
@@ -134,11 +136,13 @@ class Reply:
         return self._with_logprobs(self._parser.finish() if self._parser is not None else [], None)
 
     def in_chat_terms(self, exc: BadRequest) -> BadRequest:
-        """The one place a worker's rejection gets its chat field: the pool blames
-        a bad grammar on response_format; a forced call's is tool_choice's."""
-        if self.forced_call and exc.param == "response_format":
-            return BadRequest(exc.message, param="tool_choice", code=exc.code)
-        return exc
+        """The one place a worker's rejection gets its chat (or legacy
+        completions) field: a forced call's grammar is tool_choice's."""
+        if not isinstance(exc, Rejected):
+            return exc
+        if exc.cause is Blame.GRAMMAR:
+            return exc.blaming("tool_choice" if self.forced_call else "response_format")
+        return exc.blaming(self.prompt_field)
 
 
 class _Shape:
@@ -343,7 +347,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def embeddings(request: web.Request) -> web.Response:
     req = await decode_body(request, EmbeddingRequest)
-    result = await request.app[POOL].embed(req.model, req.inputs())
+    try:
+        result = await request.app[POOL].embed(req.model, req.inputs())
+    except Rejected as exc:
+        raise exc.blaming("input") from exc
     data = []
     for i, vec in enumerate(result.vectors):
         emb: list[float] | str = vec

@@ -32,6 +32,7 @@ from supervisor.responses.models import (
     FormatJsonSchema,
 )
 from supervisor.responses.objects import Usage
+from supervisor.workers.replies import Blame, Rejected
 from worker.protocol import ChatMessage, Delta, Done, ModelFacts, SamplingParams
 from worker.schema_gbnf import SchemaError
 
@@ -262,16 +263,13 @@ async def admit(pool: GenerationPool, model: str, plan: Plan, request_id: str = 
 
 
 def in_responses_terms(exc: BadRequest, plan: Plan) -> BadRequest:
-    """The one place a worker's rejection gets its Responses field: the pool
-    names chat fields (the prompt's ``messages``, the grammar's ``response_format``)."""
-    if exc.param == "messages":
-        field_name = "input"
-    elif exc.param == "response_format":
-        # A grammar comes from the output format, else from a forced tool call.
-        field_name = "text.format" if plan.json_output else "tool_choice"
-    else:
+    """The one place a worker's rejection gets its Responses field."""
+    if not isinstance(exc, Rejected):
         return exc
-    return BadRequest(exc.message, param=field_name, code=exc.code)
+    if exc.cause is Blame.GRAMMAR:
+        # A grammar comes from the output format, else from a forced tool call.
+        return exc.blaming("text.format" if plan.json_output else "tool_choice")
+    return exc.blaming("input")
 
 
 async def run(

@@ -301,7 +301,7 @@ class WorkerPool:
         finally:
             handle.cancel(pend)
         if isinstance(ev, (p.Error, WorkerGone)):
-            raise as_api_error(ev, msg)
+            raise as_api_error(ev)
         return ev
 
     async def embed(self, model: str, inputs: list[str]) -> p.Embeddings:

@@ -2,11 +2,14 @@
 
 ``Generation`` streams one admitted completion's outputs; ``as_api_error``
 turns a worker's error or a ``WorkerGone`` into the typed API error
-(supervisor/errors.py) a route answers with.
+(supervisor/errors.py) a route answers with. A refusal of something in the
+request is a ``Rejected`` with a typed ``Blame``: the pool does not know the
+field names of the API that asked, so each API maps the cause once.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 
 from supervisor.errors import (
@@ -21,10 +24,34 @@ from supervisor.workers.handle import WorkerHandle
 from supervisor.workers.queue import Pending, WorkerGone
 from worker import protocol as p
 
-# Worker error codes that are the client's fault.
-_CLIENT_ERRORS = {"context_length_exceeded", "template_error", "invalid_grammar", "invalid_request",
-                  # The worker's checks on a request's images (the parent checks them first).
-                  "invalid_image", "image_too_large", "too_many_images", "vision_unavailable"}
+
+class Blame(enum.Enum):
+    """What in a request a worker refused; each API names its own field for it."""
+
+    PROMPT = "prompt"  # the prompt as a whole: too long, or its template failed on it
+    GRAMMAR = "grammar"  # the constrained-output grammar (a JSON format or a forced call)
+    IMAGES = "images"  # the request's images (the parent checks them first)
+
+
+class Rejected(BadRequest):
+    """A worker's refusal of a request, with its typed cause and no field yet:
+    the route that made the request maps the cause to its own field, once."""
+
+    def __init__(self, message: str, *, code: str, cause: Blame) -> None:
+        super().__init__(message, code=code)
+        self.cause = cause
+
+    def blaming(self, param: str) -> BadRequest:
+        return BadRequest(self.message, param=param, code=self.code)
+
+
+# Worker error codes that are the client's fault, with their cause (None:
+# nothing in particular, e.g. a malformed request).
+_CLIENT_ERRORS: dict[str, Blame | None] = {
+    "context_length_exceeded": Blame.PROMPT, "template_error": Blame.PROMPT,
+    "invalid_grammar": Blame.GRAMMAR, "invalid_request": None,
+    "invalid_image": Blame.IMAGES, "image_too_large": Blame.IMAGES, "too_many_images": Blame.IMAGES,
+    "vision_unavailable": Blame.IMAGES}
 
 # How a client or its admin gets a longer context (the 400 says it).
 CONTEXT_HINT = ("For a longer context, load the model with a larger n_ctx: the n_ctx setting "
@@ -66,7 +93,7 @@ class Generation:
         self._ahead = ev
         if not isinstance(ev, (p.Delta, p.Done)):
             await self.aclose()
-            raise as_api_error(ev, self._pend.msg)
+            raise as_api_error(ev)
 
     async def _next(self) -> p.FromWorker | WorkerGone:
         if self._ahead is not None:
@@ -91,7 +118,7 @@ class Generation:
             for observe in self._on_done:
                 observe(self._model, ev)
             return ev
-        raise as_api_error(ev, self._pend.msg)
+        raise as_api_error(ev)
 
     async def aclose(self) -> None:
         if not self._ended:
@@ -99,19 +126,7 @@ class Generation:
             self._handle.cancel(self._pend)
 
 
-def _blamed_param(code: str, msg: p.Generate | p.Embed | p.Tokenize) -> str | None:
-    """The request field a worker-side client error is about."""
-    if code == "invalid_grammar":
-        return "response_format"
-    if code in ("context_length_exceeded", "template_error", "invalid_image", "image_too_large",
-                "too_many_images", "vision_unavailable"):
-        if isinstance(msg, p.Generate):
-            return "messages" if msg.messages is not None else "prompt"
-        return "input"
-    return None
-
-
-def as_api_error(ev: p.Error | WorkerGone | p.FromWorker, msg: p.Generate | p.Embed | p.Tokenize) -> ApiError:
+def as_api_error(ev: p.Error | WorkerGone | p.FromWorker) -> ApiError:
     if isinstance(ev, WorkerGone):
         if ev.code == "worker_crashed":
             # The same request may crash the restarted worker again.
@@ -122,10 +137,12 @@ def as_api_error(ev: p.Error | WorkerGone | p.FromWorker, msg: p.Generate | p.Em
             return ModelFailed(ev.message)
         return Unavailable(ev.message, retry_after=5, code=ev.code)
     if isinstance(ev, p.Error):
-        if ev.code == "context_length_exceeded":
-            return BadRequest(f"{ev.message}. {CONTEXT_HINT}", code=ev.code, param=_blamed_param(ev.code, msg))
         if ev.code in _CLIENT_ERRORS:
-            return BadRequest(ev.message, code=ev.code, param=_blamed_param(ev.code, msg))
+            cause = _CLIENT_ERRORS[ev.code]
+            message = f"{ev.message}. {CONTEXT_HINT}" if ev.code == "context_length_exceeded" else ev.message
+            if cause is None:
+                return BadRequest(message, code=ev.code)
+            return Rejected(message, code=ev.code, cause=cause)
         if ev.code == "busy":
             return Unavailable(ev.message, retry_after=1, code="worker_busy")
         return UpstreamError(ev.message, code=ev.code)
