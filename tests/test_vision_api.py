@@ -22,7 +22,7 @@ import pytest
 from supervisor.models.library import ModelEntry
 from supervisor.models.placement import PROJECTOR_COMPUTE_ALLOWANCE, projector_bytes
 from tests.server import Server, short_tempdir
-from tests.tiny_vision import png, write_tiny_text_model, write_tiny_vision_pair
+from tests.tiny_vision import gif, png, write_tiny_text_model, write_tiny_vision_pair
 from worker.protocol import MAX_IMAGE_BYTES, MAX_IMAGES
 
 pytestmark = pytest.mark.timeout(240)
@@ -110,6 +110,28 @@ def test_images_steer_greedy_chat(client: openai.OpenAI) -> None:
     assert key == (again.choices[0].message.content, again.usage.prompt_tokens)
     # One image is (32 / 8) ** 2 = 16 embeddings; the split text adds a few tokens.
     assert 16 <= red.usage.prompt_tokens - text_only.usage.prompt_tokens <= 16 + 4
+
+
+def _look_as(image: bytes, media: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [
+        {"type": "text", "text": "look: "}, {"type": "image_url", "image_url": {"url": data_url(image, media)}}]}]
+
+
+def test_gif_images_reach_the_model(client: openai.OpenAI) -> None:
+    first, second = gif(32, 32, (255, 0, 0), seed=1), gif(32, 32, (0, 255, 0), seed=2)
+    a, b, again = (_chat(client, _look_as(g, "image/gif")) for g in (first, second, first))
+    assert a.choices[0].message.content != b.choices[0].message.content
+    assert a.choices[0].message.content == again.choices[0].message.content
+    # As many image embeddings as a PNG of the same size.
+    assert a.usage.prompt_tokens == _chat(client, _look_as(RED, "image/png")).usage.prompt_tokens
+
+
+def test_webp_is_refused_by_name(client: openai.OpenAI) -> None:
+    # The smallest lossless WebP (1x1): the engine's decoder does not read WebP.
+    webp = base64.b64decode("UklGRhoAAABXRUJQVlA4TA0AAAAvAAAAEAcQERGIiP4HAA==")
+    err = _bad(lambda: _chat(client, _chat_part(data_url(webp, "image/webp"))))
+    assert err.param == "messages[0].content[1]" and err.code == "invalid_image"
+    assert "WebP" in err.message and "PNG" in err.message
 
 
 def test_streamed_chat_with_image(client: openai.OpenAI) -> None:

@@ -132,3 +132,36 @@ def png(width: int, height: int, rgb: tuple[int, int, int] | None = None, *, see
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+def gif(width: int, height: int, rgb: tuple[int, int, int], *, seed: int = 0) -> bytes:
+    """A GIF89a of random pixels from ``seed`` in a 4-colour palette whose
+    first colour is ``rgb``. Its LZW stream sends a clear code before every
+    pixel code table could grow, so every code has the same 3-bit width: no
+    compression, but a valid stream any decoder reads."""
+    palette = [rgb, (255 - rgb[0], rgb[1], rgb[2]), (rgb[0], 255 - rgb[1], rgb[2]), (0, 0, 255 - rgb[2])]
+    pixels = np.random.default_rng(seed).integers(0, 4, width * height)
+    min_size, clear, end = 2, 4, 5
+    codes: list[int] = []
+    for i, px in enumerate(pixels):
+        if i % 2 == 0:
+            codes.append(clear)  # before the table's next entry would need 4 bits
+        codes.append(int(px))
+    codes.append(end)
+    bits = 0
+    n_bits = 0
+    out = bytearray()
+    for code in codes:
+        bits |= code << n_bits
+        n_bits += 3
+        while n_bits >= 8:
+            out.append(bits & 0xFF)
+            bits >>= 8
+            n_bits -= 8
+    if n_bits:
+        out.append(bits & 0xFF)
+    blocks = b"".join(bytes([len(out[i:i + 255])]) + bytes(out[i:i + 255]) for i in range(0, len(out), 255))
+    screen = struct.pack("<HHBBB", width, height, 0x81, 0, 0)  # global table of 4 colours
+    table = b"".join(bytes(c) for c in palette)
+    image = b"," + struct.pack("<HHHHB", 0, 0, width, height, 0)
+    return b"GIF89a" + screen + table + image + bytes([min_size]) + blocks + b"\x00;"

@@ -30,7 +30,8 @@ def _service(request: web.Request) -> ResponsesService:
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, CreateRequest)
-    valid = validate(body)
+    # In a thread: validation decodes the input images (up to 12 MiB of base64).
+    valid = await asyncio.to_thread(validate, body)
     service = _service(request)
     owner = request_scope(request)  # the creating key: only it (and the admin) may use the response
     if body.background:

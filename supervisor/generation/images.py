@@ -2,8 +2,9 @@
 
 Each image is decoded once, here, and refused with a 400 naming its field
 (``messages[0].content[1]``, ``input[0].content[1]``) when it is not a data
-URL, not base64, not a PNG, JPEG, WebP or GIF (by magic bytes, as the worker
-tells them), or too large. A request's images all travel to the worker in
+URL, not base64, not a PNG, JPEG or GIF (by magic bytes, as the worker
+tells them), or too large. WebP is refused by name: the engine's decoder
+(stb_image) does not read it, and would refuse it with a generic message. A request's images all travel to the worker in
 one IPC frame, so their total is bounded below the frame limit too.
 
 Remote (``http(s)``) image URLs are refused: nothing here fetches them.
@@ -26,7 +27,7 @@ MAX_TOTAL_IMAGE_BYTES = MAX_FRAME * 3 // 4
 # base64 text of the largest image allowed (4 chars per 3 bytes), plus slack
 # for line breaks: anything longer is refused before it is decoded.
 _MAX_B64_CHARS = (MAX_IMAGE_BYTES + 2) // 3 * 4 + 4096
-_MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "gif": "image/gif"}
+_MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "gif": "image/gif"}
 
 
 def decode_data_url(url: str, param: str) -> bytes:
@@ -55,12 +56,15 @@ def decode_data_url(url: str, param: str) -> bytes:
         raise BadRequest(f"the image has {len(data)} bytes; at most {MAX_IMAGE_BYTES}", param=param,
                          code="image_too_large")
     kind = image_format(data)
+    if kind == "webp":
+        raise BadRequest("WebP images are not supported (the engine decodes PNG, JPEG and GIF): "
+                         "convert it to PNG or JPEG", param=param, code="invalid_image")
     if kind is None:
-        raise BadRequest("the image is not a PNG, JPEG, WebP or GIF file", param=param,
+        raise BadRequest("the image is not a PNG, JPEG or GIF file", param=param,
                          code="invalid_image")
     declared = header[5:].split(";", 1)[0].strip().lower()
     if declared and declared.startswith("image/") and declared not in _MEDIA_TYPES.values():
-        raise BadRequest(f"unsupported image type {declared}; PNG, JPEG, WebP and GIF are",
+        raise BadRequest(f"unsupported image type {declared}; PNG, JPEG and GIF are",
                          param=param, code="invalid_image")
     return data
 

@@ -32,7 +32,8 @@ export function modelStateText(m) {
 }
 
 // The server's bounds (worker/protocol.py): refused here first, with the reason.
-export const IMAGE_TYPES = ['image/png', 'image/jpeg', 'image/webp', 'image/gif'];
+// What the engine decodes: WebP is not among them.
+export const IMAGE_TYPES = ['image/png', 'image/jpeg', 'image/gif'];
 const MAX_IMAGES = 8;
 const MAX_IMAGE_BYTES = 4 * 1024 * 1024;
 
@@ -315,7 +316,7 @@ export function mount(root, _params, query) {
     const why = noVision();
     if (why) { formError.textContent = why; return; }
     for (const file of files) {
-      if (!IMAGE_TYPES.includes(file.type)) { formError.textContent = `${file.name || 'That file'} is not a PNG, JPEG, WebP or GIF image.`; continue; }
+      if (!IMAGE_TYPES.includes(file.type)) { formError.textContent = `${file.name || 'That file'} is not a PNG, JPEG or GIF image (the engine decodes no other).`; continue; }
       if (file.size > MAX_IMAGE_BYTES) { formError.textContent = `${file.name || 'The image'} is over 4 MiB.`; continue; }
       if (attached.length >= MAX_IMAGES) { formError.textContent = `At most ${MAX_IMAGES} images per message.`; break; }
       attached.push(await readDataUrl(file));
