@@ -20,7 +20,7 @@ from aiohttp import web
 
 from jobs.params import Roots
 from supervisor import logs, responses
-from supervisor.api import auth, metrics, openapi, proxies, shutdown
+from supervisor.api import auth, metrics, openapi, proxies, shutdown, waiting
 from supervisor.api import jobs as routes_jobs
 from supervisor.api import models as routes_models
 from supervisor.api import openai as routes_openai
@@ -247,11 +247,12 @@ def build_app(cfg: Config) -> web.Application:
     stats = metrics.Metrics()
     # Outermost first: the real client (proxies), then the request id and
     # access log, metrics, typed errors, the Host allowlist, refusal while
-    # draining, auth, then JSON-only bodies (after auth: 401 before 415).
+    # draining, auth, JSON-only bodies (after auth: 401 before 415), and the
+    # job named in a 503 gpu_busy.
     app = web.Application(middlewares=[
         proxies.TrustedProxies.from_config(cfg).middleware(), logs.access_middleware(cfg.access_log),
         stats.middleware(), error_middleware, proxies.HostAllowlist.from_config(cfg).middleware(),
-        shutdown.refuse_while_draining, gate.middleware(), auth.require_json,
+        shutdown.refuse_while_draining, gate.middleware(), auth.require_json, waiting.describe_busy,
     ], client_max_size=cfg.max_body_bytes)
     app[CONFIG] = cfg
     app[STARTED_AT] = time.time()
@@ -273,6 +274,7 @@ def build_app(cfg: Config) -> web.Application:
     app.router.add_get("/api/workers", workers)
     routes_openai.add_routes(app)
     routes_jobs.add_routes(app)
+    waiting.setup(app)  # before the models routes: their plain GET takes the whole path
     routes_models.add_routes(app)
     routes_web.add_routes(app)
     openapi.add_routes(app)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from supervisor.api.web import AssetTable
     from supervisor.config import Config
     from supervisor.db import Database
+    from supervisor.lab.busy import WaitLine
     from supervisor.lab.lease import GpuLease
     from supervisor.lab.runner import JobRunner
     from supervisor.lab.store import JobStore
@@ -37,6 +38,7 @@ LEASE: web.AppKey[GpuLease] = web.AppKey("lease")
 JOB_STORE: web.AppKey[JobStore] = web.AppKey("job_store")
 JOB_RUNNER: web.AppKey[JobRunner] = web.AppKey("job_runner")
 JOB_SETTINGS: web.AppKey[JobSettings] = web.AppKey("job_settings")
+WAIT_LINE: web.AppKey[WaitLine] = web.AppKey("wait_line")
 
 # HTTP services
 AUTH: web.AppKey[Auth] = web.AppKey("auth")

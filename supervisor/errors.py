@@ -146,6 +146,49 @@ class Unavailable(ApiError):
         self.retry_after = retry_after
 
 
+class BusyJob(msgspec.Struct):
+    """The job a refused request waits for: what the chat UI shows."""
+
+    id: str
+    kind: str
+    label: str
+    state: str  # holding, or draining (the device is being freed for it)
+    progress: float
+    eta_s: float | None  # from its progress so far; None until it has some
+    jobs_waiting: int  # further jobs queued for the device behind it
+
+
+class BusyErrorBody(ErrorBody):
+    job: BusyJob | None = None
+
+
+class BusyEnvelope(ErrorEnvelope):
+    error: BusyErrorBody
+
+
+class DeviceBusy(Unavailable):
+    """503 ``gpu_busy``: a job holds (or is being given) the device. The API
+    adds the job (see supervisor/lab/busy.py) before answering."""
+
+    code = "gpu_busy"
+
+    def __init__(self, message: str, *, retry_after: int = 10, job: BusyJob | None = None) -> None:
+        super().__init__(message, retry_after=retry_after, code="gpu_busy")
+        self.job = job
+
+    def body(self) -> BusyEnvelope:
+        return BusyEnvelope(BusyErrorBody(self.message, self.type, self.param, self.code, self.job))
+
+
+class TooManyWaiting(Unavailable):
+    """503: the line of chats waiting for a device is full."""
+
+    code = "wait_line_full"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after=10, code="wait_line_full")
+
+
 def param_error(exc: ParamError) -> BadRequest:
     """The 400 for invalid job params (the job side raises its own type)."""
     return BadRequest(exc.message, param=exc.param, code=exc.code)

@@ -161,6 +161,11 @@ ROUTES: tuple[Operation, ...] = (
               path_descriptions=_MODEL_ID),
     Operation("POST", "/api/models/{id}/unload", "Unload a model", "models", errors=(404,),
               path_descriptions=_MODEL_ID),
+    Operation("GET", "/api/models/{id}/wait", "Wait in line while a job holds the device (long poll)",
+              "models", errors=(400, 404), path_descriptions=_MODEL_ID,
+              params=(_q("ticket", {"type": "string"}, "The ticket of the previous poll: keeps the place"),
+                      _q("timeout_s", {"type": "number", "minimum": 0, "maximum": 25},
+                         "How long to wait for the device before answering with the position"))),
     Operation("GET", "/api/models/{id}/log", "The tail of a model worker's log (admin only)", "models",
               params=(
                   _q("tail", {"type": "integer", "minimum": 1, "maximum": 1 << 20},

@@ -21,7 +21,7 @@ from supervisor.config import (
     ModelSettings,
     parse_duration,
 )
-from supervisor.errors import BadRequest, ModelFailed, ModelNotFound, Unavailable
+from supervisor.errors import BadRequest, DeviceBusy, ModelFailed, ModelNotFound, Unavailable
 from supervisor.models.library import ModelEntry
 from supervisor.models.memfit import ContextDecision
 from supervisor.models.placement import FALLBACK_CTX
@@ -231,7 +231,7 @@ class WorkerPool:
     def _check_admission(self) -> None:
         why = self.admission(self.device)
         if why is not None:
-            raise Unavailable(why, retry_after=10, code="gpu_busy")
+            raise DeviceBusy(why)
 
     # ------------------------------------------------------------ requests
 

@@ -12,6 +12,7 @@ export class ApiError extends Error {
     this.type = error.type ?? null;
     this.param = error.param ?? null;
     this.code = error.code ?? null;
+    this.job = error.job ?? null; // 503 gpu_busy: the job holding the device
   }
 }
 

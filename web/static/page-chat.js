@@ -9,6 +9,7 @@
 import { getJson, send } from './api.js';
 import { errorBox, formatNumber, h, replace } from './dom.js';
 import { ChatSession } from './chat-stream.js';
+import { busyBox, isDeviceBusy, positionText, waitForDevice } from './chat-wait.js';
 import {
   getConversation, listConversations, newConversationId, removeConversation, renameConversation, saveConversation, titleFrom,
 } from './chat-store.js';
@@ -61,7 +62,16 @@ function usageLine(turn) {
   return parts.join(' · ');
 }
 
-function turnView(turn) {
+// A refused turn's notice: a busy device offers to wait (see chat-wait.js).
+function turnError(turn, actions) {
+  if (!turn.error) return null;
+  if (isDeviceBusy(turn.error) && actions) {
+    return busyBox(turn.error, turn.waiting, () => actions.wait(turn), () => actions.cancelWait(turn));
+  }
+  return errorBox(turn.error);
+}
+
+function turnView(turn, actions) {
   const reasoningBody = h('div', { class: 'reasoning-text', text: turn.reasoning });
   const reasoning = h('details', { class: 'reasoning', hidden: !turn.reasoning },
     h('summary', { text: turn.status === 'streaming' && !turn.text ? 'Thinking…' : 'Reasoning' }), reasoningBody);
@@ -70,7 +80,7 @@ function turnView(turn) {
   let shown = turn.text;
   const meta = h('p', { class: 'usage small muted', text: usageLine(turn) });
   const error = h('div');
-  if (turn.error) error.append(errorBox(turn.error));
+  error.append(turnError(turn, actions) ?? '');
   const answer = h('div', { class: `msg assistant ${turn.status}`, 'aria-busy': String(turn.status === 'streaming') },
     h('div', { class: 'who', text: turn.model }), reasoning, text, error, meta);
   // Saved conversations keep only a count of their images (localStorage is small).
@@ -83,6 +93,7 @@ function turnView(turn) {
   const el = h('div', { class: 'turn' }, h('div', { class: 'msg user' }, h('div', { class: 'who', text: 'You' }), images, h('div', { class: 'user-text', text: turn.user })), answer);
   return {
     el,
+    turn,
     update() {
       reasoningBody.textContent = turn.reasoning;
       reasoning.hidden = !turn.reasoning;
@@ -91,7 +102,7 @@ function turnView(turn) {
       meta.textContent = usageLine(turn);
       answer.className = `msg assistant ${turn.status}`;
       answer.setAttribute('aria-busy', String(turn.status === 'streaming'));
-      replace(error, turn.error ? errorBox(turn.error) : null);
+      replace(error, turnError(turn, actions));
     },
   };
 }
@@ -138,12 +149,54 @@ export function mount(root, _params, query) {
   let controller = null;
   const views = [];
 
+  // Waiting in line for a device a job holds (one wait at a time; leaving the
+  // page stops it). When the device frees, the refused turn is sent again.
+  let waiting = null;
+  const waitActions = {
+    async wait(turn) {
+      if (waiting || controller) return;
+      waiting = new AbortController();
+      turn.waiting = 'Waiting in line…';
+      refresh(turn);
+      try {
+        await waitForDevice(turn.model, waiting.signal, (state) => {
+          turn.waiting = positionText(state);
+          if (state.job) turn.error.job = state.job;
+          refresh(turn);
+        });
+      } catch (err) {
+        if (err.name !== 'AbortError') turn.error = err;
+        turn.waiting = null;
+        refresh(turn);
+        return;
+      } finally {
+        waiting = null;
+      }
+      resend(turn);
+    },
+    cancelWait() { waiting?.abort(); },
+  };
+  function refresh(turn) {
+    views.find((v) => v.turn === turn)?.update();
+  }
+  function resend(turn) {
+    const at = c.turns.indexOf(turn);
+    if (at < 0) return;
+    c.turns.splice(at, 1);
+    showTurns();
+    if ([...modelSel.options].some((o) => o.value === turn.model)) modelSel.value = turn.model;
+    input.value = turn.user;
+    attached = [...(turn.images || [])];
+    showThumbs();
+    composer.requestSubmit();
+  }
+
   function showEmpty() {
     if (!c.turns.length) replace(transcript, h('p', { class: 'empty', text: 'No messages yet. Pick a model and say something.' }));
   }
   function addView(turn) {
     if (!views.length) replace(transcript);
-    const view = turnView(turn);
+    const view = turnView(turn, waitActions);
     views.push(view);
     transcript.append(view.el);
     return view;
@@ -275,7 +328,9 @@ export function mount(root, _params, query) {
       }
       return;
     }
-    const usable = body.data.filter((m) => m.usable);
+    // Each LoRA adapter that fits a model is a model of its own: <base>:<adapter>.
+    const usable = body.data.filter((m) => m.usable)
+      .flatMap((m) => [m, ...(m.adapters || []).map((a) => ({ ...m, id: a.model }))]);
     if (!usable.length) {
       replace(modelSel, h('option', { value: '', text: 'No usable model' }));
       return;
@@ -425,5 +480,5 @@ export function mount(root, _params, query) {
   });
 
   input.focus();
-  return () => { controller?.abort(); models.stop(); };
+  return () => { controller?.abort(); waiting?.abort(); models.stop(); };
 }
