@@ -307,6 +307,69 @@ def _attention_layers(
     return out
 
 
+def _general(kv: dict[str, Any], a: str, counts: dict[str, int]) -> dict[str, Any]:
+    """What the file says about itself: name, type, quantization, vocabulary, template."""
+    template = kv.get("tokenizer.chat_template")
+    template = template if isinstance(template, str) else None
+    tools, reasoning = template_features(template)
+    file_type = kv.get("general.file_type")
+    name = kv.get("general.name")
+    gtype = kv.get("general.type")
+    return {
+        "name": name if isinstance(name, str) else None,
+        "general_type": gtype if isinstance(gtype, str) else None,
+        "file_type": int(file_type) if isinstance(file_type, int) else None,
+        "quantization": quantization_name(int(file_type)) if isinstance(file_type, int) else None,
+        "context_length": _int(kv, f"{a}.context_length"),
+        "n_vocab": _int(kv, f"{a}.vocab_size", counts.get("tokenizer.ggml.tokens", 0)),
+        "split_count": _int(kv, "split.count"),
+        "split_no": _int(kv, "split.no"),
+        "chat_template": template,
+        "supports_tools": tools,
+        "supports_reasoning": reasoning,
+    }
+
+
+def _attention(kv: dict[str, Any], a: str, n_layer: int, n_embd: int,
+               heads: list[int], heads_kv: list[int]) -> dict[str, Any]:
+    """The attention's shape: heads, key and value widths, sliding window, MLA."""
+    n_head0 = heads[0] if heads else 0
+    head_dim = n_embd // n_head0 if n_head0 > 0 else 0
+    key_length = _int(kv, f"{a}.attention.key_length", head_dim)
+    value_length = _int(kv, f"{a}.attention.value_length", head_dim)
+    n_swa = _int(kv, f"{a}.attention.sliding_window")
+    key_mla = _int(kv, f"{a}.attention.key_length_mla")
+    value_mla = _int(kv, f"{a}.attention.value_length_mla")
+    return {
+        "n_head": n_head0,
+        "n_head_kv": max(heads_kv, default=0),
+        "key_length": key_length,
+        "value_length": value_length,
+        "key_length_swa": _int(kv, f"{a}.attention.key_length_swa", key_length),
+        "value_length_swa": _int(kv, f"{a}.attention.value_length_swa", value_length),
+        "sliding_window": n_swa,
+        "swa_layers": _swa_layers(a, kv, n_layer, n_swa),
+        "kv_lora_rank": _int(kv, f"{a}.attention.kv_lora_rank"),
+        "key_length_mla": key_mla,
+        "value_length_mla": value_mla,
+        "is_mla": key_mla > 0 and value_mla > 0,
+    }
+
+
+def _recurrent_state(kv: dict[str, Any], a: str) -> dict[str, Any]:
+    """The sizes of a recurrent layer's state (SSM, RWKV, short convolution)."""
+    return {
+        "ssm_conv_kernel": _int(kv, f"{a}.ssm.conv_kernel"),
+        "ssm_inner_size": _int(kv, f"{a}.ssm.inner_size"),
+        "ssm_state_size": _int(kv, f"{a}.ssm.state_size"),
+        "ssm_group_count": _int(kv, f"{a}.ssm.group_count"),
+        "ssm_time_step_rank": _int(kv, f"{a}.ssm.time_step_rank"),
+        "wkv_head_size": _int(kv, f"{a}.wkv.head_size"),
+        "token_shift_count": _int(kv, f"{a}.token_shift_count", 2 if a.startswith("rwkv") else 0),
+        "shortconv_l_cache": _int(kv, f"{a}.shortconv.l_cache"),
+    }
+
+
 def _interpret(
     arch: str, version: int, tensor_count: int, kv: dict[str, Any], counts: dict[str, int]
 ) -> GgufInfo:
@@ -316,68 +379,26 @@ def _interpret(
     heads = _per_layer(kv, f"{a}.attention.head_count", n_layer, [0] * n_layer)
     heads_kv = _per_layer(kv, f"{a}.attention.head_count_kv", n_layer, heads)
     ff = _per_layer(kv, f"{a}.feed_forward_length", n_layer, [0] * n_layer)
-    n_head0 = heads[0] if heads else 0
-    head_dim = n_embd // n_head0 if n_head0 > 0 else 0
-    key_length = _int(kv, f"{a}.attention.key_length", head_dim)
-    value_length = _int(kv, f"{a}.attention.value_length", head_dim)
-    n_swa = _int(kv, f"{a}.attention.sliding_window")
-    swa = _swa_layers(a, kv, n_layer, n_swa)
     recurrent = _recurrent_layers(a, kv, n_layer, heads_kv, ff)
     shared = _int(kv, f"{a}.attention.shared_kv_layers")
     kv_from_start = n_layer - shared if shared > 0 else _SHARED_KV_DEFAULT_START.get(a, -1)
     n_nextn = _int(kv, f"{a}.nextn_predict_layers")
-    template = kv.get("tokenizer.chat_template")
-    template = template if isinstance(template, str) else None
-    tools, reasoning = template_features(template)
-    file_type = kv.get("general.file_type")
-    key_mla = _int(kv, f"{a}.attention.key_length_mla")
-    value_mla = _int(kv, f"{a}.attention.value_length_mla")
-    name = kv.get("general.name")
-    gtype = kv.get("general.type")
     return GgufInfo(
         architecture=a,
-        name=name if isinstance(name, str) else None,
-        general_type=gtype if isinstance(gtype, str) else None,
         version=version,
         tensor_count=tensor_count,
-        file_type=int(file_type) if isinstance(file_type, int) else None,
-        quantization=quantization_name(int(file_type)) if isinstance(file_type, int) else None,
-        context_length=_int(kv, f"{a}.context_length"),
         n_layer=n_layer,
         n_embd=n_embd,
-        n_vocab=_int(kv, f"{a}.vocab_size", counts.get("tokenizer.ggml.tokens", 0)),
-        n_head=n_head0,
-        n_head_kv=max(heads_kv, default=0),
         n_head_per_layer=heads,
         n_head_kv_per_layer=heads_kv,
         n_ff_per_layer=ff,
         n_expert_used=_int(kv, f"{a}.expert_used_count"),
         n_ff_exp=_int(kv, f"{a}.expert_feed_forward_length"),
-        key_length=key_length,
-        value_length=value_length,
-        key_length_swa=_int(kv, f"{a}.attention.key_length_swa", key_length),
-        value_length_swa=_int(kv, f"{a}.attention.value_length_swa", value_length),
-        sliding_window=n_swa,
-        swa_layers=swa,
-        kv_lora_rank=_int(kv, f"{a}.attention.kv_lora_rank"),
-        key_length_mla=key_mla,
-        value_length_mla=value_mla,
-        is_mla=key_mla > 0 and value_mla > 0,
-        ssm_conv_kernel=_int(kv, f"{a}.ssm.conv_kernel"),
-        ssm_inner_size=_int(kv, f"{a}.ssm.inner_size"),
-        ssm_state_size=_int(kv, f"{a}.ssm.state_size"),
-        ssm_group_count=_int(kv, f"{a}.ssm.group_count"),
-        ssm_time_step_rank=_int(kv, f"{a}.ssm.time_step_rank"),
-        wkv_head_size=_int(kv, f"{a}.wkv.head_size"),
-        token_shift_count=_int(kv, f"{a}.token_shift_count", 2 if a.startswith("rwkv") else 0),
-        shortconv_l_cache=_int(kv, f"{a}.shortconv.l_cache"),
         recurrent_layers=recurrent,
         attention_layers=_attention_layers(a, n_layer, recurrent, kv_from_start, n_nextn),
         shared_kv_layers=n_layer - kv_from_start if kv_from_start >= 0 else 0,
         nextn_predict_layers=n_nextn,
-        split_count=_int(kv, "split.count"),
-        split_no=_int(kv, "split.no"),
-        chat_template=template,
-        supports_tools=tools,
-        supports_reasoning=reasoning,
+        **_general(kv, a, counts),
+        **_attention(kv, a, n_layer, n_embd, heads, heads_kv),
+        **_recurrent_state(kv, a),
     )
