@@ -70,9 +70,7 @@ def write_tiny_gguf(
     name: str = DEMO_MODEL_NAME,
 ) -> Path:
     """Write a random llama-architecture GGUF (F32) to ``path`` atomically."""
-    rng = np.random.default_rng(seed)
     tokens, scores, types = _vocab(extra_tokens)
-    n_vocab = len(tokens)
     tmp = path.with_name(path.name + ".tmp")
     w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_name(name)
@@ -85,6 +83,19 @@ def write_tiny_gguf(
     w.add_rope_dimension_count(n_embd // n_head)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_tokenizer(w, tokens, scores, types, chat_template)
+    _add_tensors(w, np.random.default_rng(seed), n_vocab=len(tokens), n_embd=n_embd, n_layer=n_layer,
+                 n_embd_kv=n_embd // n_head * n_head_kv, n_ff=n_ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+    return path
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, tokens: list[str], scores: list[float], types: list[int],
+                   chat_template: str | None) -> None:
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
@@ -97,10 +108,12 @@ def write_tiny_gguf(
     if chat_template is not None:
         w.add_chat_template(chat_template)
 
+
+def _add_tensors(w: gguf.GGUFWriter, rng: np.random.Generator, *, n_vocab: int, n_embd: int,
+                 n_layer: int, n_embd_kv: int, n_ff: int) -> None:
     def rand(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.5).astype(np.float32)
 
-    n_embd_kv = n_embd // n_head * n_head_kv
     # numpy shape is (ne1, ne0): rows first, as gguf stores it.
     w.add_tensor("token_embd.weight", rand(n_vocab, n_embd))
     w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
@@ -115,9 +128,3 @@ def write_tiny_gguf(
         w.add_tensor(f"blk.{i}.ffn_gate.weight", rand(n_ff, n_embd))
         w.add_tensor(f"blk.{i}.ffn_up.weight", rand(n_ff, n_embd))
         w.add_tensor(f"blk.{i}.ffn_down.weight", rand(n_embd, n_ff))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
