@@ -13,12 +13,16 @@ TORCH_SPEC ?= torch==2.13.0
 # ENGINE_INDEX=https://xorbitsai.github.io/xllamacpp/whl/cu128 (see README, "GPU").
 ENGINE_INDEX ?=
 
-.PHONY: serve test install install-train bench clean
+.PHONY: serve test install install-train bench clean gpu-check-bundle
+
+# setuptools warns on every editable install that folders named like the
+# package may shadow it: that is the point of one here, so the notice goes.
+EDITABLE = PYTHONWARNINGS='ignore:Editable installation'
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(EDITABLE) $(PY) -m pip install --quiet -e '.[test]'
 	if [ -n "$(ENGINE_INDEX)" ]; then \
 		$(PY) -m pip install --quiet --force-reinstall --no-deps --index-url "$(ENGINE_INDEX)" \
 			"xllamacpp==$$($(PY) -c 'from importlib.metadata import version; print(version("xllamacpp"))')"; \
@@ -28,7 +32,7 @@ $(STAMP): pyproject.toml
 # The train extra (torch, transformers, peft) for finetune jobs and their tests.
 $(TRAIN_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[test,train]'
+	$(EDITABLE) $(PY) -m pip install --quiet -e '.[test,train]'
 	touch $(TRAIN_STAMP)
 
 install: $(STAMP)
@@ -43,6 +47,20 @@ test: $(TRAIN_STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/engine.py
+
+# The folder bench/gpu_check.sh runs from on a GPU machine without network:
+# our wheel and the wheels of its runtime dependencies, for this machine's
+# Python and platform (for another, pass e.g. PIP_PLATFORM_ARGS='--python-version
+# 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all:'). For the engine's
+# CUDA build, put its xllamacpp wheel in $(GPU_CHECK_DIR)/wheels/cuda/.
+GPU_CHECK_DIR ?= build/gpu_check
+PIP_PLATFORM_ARGS ?=
+gpu-check-bundle: $(STAMP)
+	rm -rf $(GPU_CHECK_DIR)
+	mkdir -p $(GPU_CHECK_DIR)/wheels
+	$(PY) -m pip wheel --quiet --no-deps -w $(GPU_CHECK_DIR)/wheels .
+	$(PY) -m pip download --quiet -d $(GPU_CHECK_DIR)/wheels $(PIP_PLATFORM_ARGS) $(GPU_CHECK_DIR)/wheels/gpuvisor-*.whl
+	cp bench/gpu_check.sh bench/gpu_check.py tests/tiny_hf.py $(GPU_CHECK_DIR)/
 
 clean:
 	rm -rf $(VENV) build *.egg-info

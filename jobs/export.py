@@ -5,6 +5,9 @@ quantize job's own code. Every file is written under a hidden temporary name
 in the models dir and renamed into place only when complete, so the model
 library never sees (or serves) a half-written model. ``finetune`` calls
 :func:`export_model` as its last step when asked to.
+
+A PEFT adapter dir as the model is written as a GGUF LoRA adapter
+(:func:`export_adapter`, with :mod:`jobs.lora_export`), the same way.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from typing import Any
 
 from jobs.context import JobContext, JobError, check_stop
 from jobs.events import JobIO
-from jobs.finetune_params import ExportOptions, ExportParams
-from jobs.hf_convert import convert
+from jobs.finetune_params import ADAPTER_CONFIG, ExportOptions, ExportParams
+from jobs.hf_convert import OutType, convert
+from jobs.lora_export import convert_adapter, read_adapter_config
 from jobs.params import JobParams, QuantizeParams
 from jobs.quantize import check_plan, quantize
 from jobs.quantize_plan import inspect_model
@@ -110,8 +114,43 @@ def export_model(
     return {"converted": result, "quantized": quantized, "model": quantized_name.removesuffix(".gguf")}
 
 
+def export_adapter(
+    io: JobIO, adapter_dir: Path, base_dir: Path | None, out: Path, outtype: OutType,
+    overwrite: bool, job_id: str,
+) -> dict[str, Any]:
+    """Write a PEFT adapter as a GGUF LoRA adapter at ``out``; returns what was written."""
+    if out.exists() and not overwrite:
+        raise JobError(f"{out.name} already exists; set overwrite to replace it")
+    if base_dir is None:
+        recorded = read_adapter_config(adapter_dir).base
+        if not recorded:
+            raise JobError("the adapter does not record its base model; set base")
+        base_dir = resolve_model_dir(recorded)
+    io.stage("converting adapter")
+    started = time.monotonic()
+    tmp = _partial(out, job_id)
+    try:
+        info = convert_adapter(adapter_dir, base_dir, tmp, outtype, out.stem,
+                               lambda: check_stop(io, "while converting"))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    seconds = round(time.monotonic() - started, 3)
+    io.log(f"converted a rank {info.rank} LoRA adapter for {info.arch} ({info.tensors} tensors, "
+           f"base {info.base_name}) to {outtype} in {seconds} s")
+    return {"path": str(out), "bytes": out.stat().st_size, "arch": info.arch, "rank": info.rank,
+            "alpha": info.alpha, "base_name": info.base_name, "adapter": out.stem, "seconds": seconds}
+
+
 def run(io: JobIO, params: JobParams, ctx: JobContext) -> dict[str, Any]:
     if not isinstance(params, ExportParams):
         raise JobError("export needs ExportParams")
+    model = Path(params.model)
+    if (model / ADAPTER_CONFIG).is_file():
+        assert params.output_name is not None  # pinned at submit
+        out = Path(ctx.models_dir) / (params.output_name.removesuffix(".gguf") + ".gguf")
+        base = resolve_model_dir(params.base) if params.base is not None else None
+        return {"adapter": export_adapter(io, model, base, out, params.outtype, params.overwrite,
+                                          ctx.job_id)}
     model_dir = resolve_model_dir(params.model)
     return export_model(io, model_dir, params, Path(ctx.models_dir), ctx.job_id)

@@ -3,7 +3,8 @@
 Output, under ``<outputs>/<output_name or job id>/``: ``checkpoints/`` (every
 ``save_steps``), ``adapter/`` (the LoRA adapter and tokenizer) and, with
 ``merge``, ``merged/`` (the merged model in safetensors with its tokenizer
-and chat template), then optionally a GGUF export into the models dir.
+and chat template), then optionally a GGUF export into the models dir, and
+with ``export_adapter`` the adapter as a GGUF LoRA adapter there too.
 
 Stopping: SIGTERM stops at the next step boundary; SIGUSR1 does the same but
 first writes a checkpoint (cancel with save, and the supervisor's shutdown).
@@ -23,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 from jobs.context import JobContext, JobError, JobStopped
 from jobs.events import JobIO
-from jobs.export import export_model, resolve_model_dir
+from jobs.export import export_adapter, export_model, resolve_model_dir
 from jobs.finetune_ckpt import newest_checkpoint, write_dir_atomically
 from jobs.finetune_data import CHATML, encode_all, read_chat_jsonl
 from jobs.finetune_loop import StepStats, Trainer
-from jobs.finetune_params import FinetuneParams
+from jobs.finetune_params import FinetuneParams, adapter_stem
 from jobs.params import JobParams
 
 if TYPE_CHECKING:
@@ -213,4 +214,11 @@ def run(io: JobIO, params: JobParams, ctx: JobContext) -> dict[str, Any]:
     if params.export is not None:
         result["export"] = export_model(io, Path(result["merged_path"]), params.export,
                                         Path(ctx.models_dir), ctx.job_id)
+    if params.export_adapter:
+        out = Path(ctx.models_dir) / f"{adapter_stem(Path(result['adapter_path']))}.gguf"
+        # The precision of the model export, when there is one: the pair then
+        # computes as the merged model does.
+        outtype = params.export.outtype if params.export is not None else "F16"
+        result["adapter_export"] = export_adapter(io, Path(result["adapter_path"]), model_dir, out,
+                                                  outtype, params.overwrite, ctx.job_id)
     return result

@@ -17,6 +17,7 @@ import msgspec
 
 from jobs.errors import ParamError
 from jobs.params import (
+    DeviceChoice,
     JobParams,
     QuantType,
     ResolveContext,
@@ -25,6 +26,7 @@ from jobs.params import (
     resolve_path,
 )
 
+ADAPTER_CONFIG = "adapter_config.json"
 TRAIN_MODULES = ("torch", "transformers", "peft", "safetensors")
 TRAIN_INSTALL_HINT = (
     "install the train extra: pip install torch==2.13.0 (or the CUDA build you want), "
@@ -112,16 +114,46 @@ class ExportOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             check_gguf_name(quantized, ctx, self.overwrite, f"{param}.output_name")
 
 
+def adapter_stem(adapter_dir: Path) -> str:
+    """The default GGUF name of an adapter: a fine-tune's ``<output>/adapter``
+    is named for its output dir."""
+    named = adapter_dir.parent if adapter_dir.name == "adapter" else adapter_dir
+    return f"{named.name}-lora"
+
+
 class ExportParams(JobParams, ExportOptions):
-    """Convert a Hugging Face model dir (Llama family) to GGUF in the models dir."""
+    """Convert a Hugging Face model dir (Llama family) to GGUF in the models dir.
+
+    A PEFT LoRA adapter dir (with ``adapter_config.json``) as ``model`` is
+    converted to a GGUF LoRA adapter instead (``jobs.lora_export``); its base
+    model (whose config.json gives the tensor layout) is the one the adapter
+    records, or ``base``.
+    """
 
     model: str
+    base: str | None = None
 
     def resolve(self, ctx: ResolveContext) -> None:
+        path = resolve_path(self.model, ctx.roots.models, ctx.roots, "params.model")
+        if (path / ADAPTER_CONFIG).is_file():
+            self._resolve_adapter(path, ctx)
+            return
+        if self.base is not None:
+            raise ParamError("base applies to adapter exports only", param="params.base")
         self.model = resolve_hf_model(self.model, ctx, "params.model")
         if self.output_name is None and not Path(self.model).is_absolute():
             self.output_name = self.model.split("/")[-1]
         self.check(Path(self.model).name, ctx, "params")
+
+    def _resolve_adapter(self, path: Path, ctx: ResolveContext) -> None:
+        self.model = str(path)
+        if self.quantize is not None:
+            raise ParamError("quantize applies to models, not LoRA adapters", param="params.quantize")
+        if self.base is not None:
+            self.base = resolve_hf_model(self.base, ctx, "params.base")
+        if self.output_name is None:
+            self.output_name = adapter_stem(path)
+        check_gguf_name(self.output_name, ctx, self.overwrite, "params.output_name")
 
     def devices(self, available: Sequence[str]) -> list[str]:
         # Converting is plain CPU and disk; quantizing holds the device like
@@ -129,7 +161,7 @@ class ExportParams(JobParams, ExportOptions):
         return list(available[:1]) if self.quantize is not None else []
 
 
-class FinetuneParams(JobParams):
+class FinetuneParams(JobParams, DeviceChoice):
     """LoRA supervised fine-tuning; defaults follow the well-known tools."""
 
     model: str
@@ -165,6 +197,9 @@ class FinetuneParams(JobParams):
     cpu_threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
     merge: bool = True
     export: ExportOptions | None = None
+    # Also write the adapter as a GGUF LoRA adapter into the models dir, where
+    # it is served on its base model as ``<base>:<output>-lora``.
+    export_adapter: bool = False
 
     def resolve(self, ctx: ResolveContext) -> None:
         missing = missing_train_modules()
@@ -193,6 +228,9 @@ class FinetuneParams(JobParams):
                 # must be checked against the models dir at submit time.
                 self.export.output_name = stem
             self.export.check(stem, ctx, "params.export")
+        if self.export_adapter and self.output_name is not None:
+            # Without an output name the adapter is named for the (new) job id.
+            check_gguf_name(f"{self.output_name}-lora", ctx, self.overwrite, "params.export_adapter")
 
     def devices(self, available: Sequence[str]) -> list[str]:
-        return list(available[:1])
+        return self.pick(available)

@@ -108,6 +108,30 @@ class JobParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return []
 
 
+class DeviceChoice(msgspec.Struct, kw_only=True):
+    """Fields of a kind that holds devices: a count, or named ones."""
+
+    # How many devices the job holds; the least used are taken.
+    gpus: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    # Exactly these devices ("cuda:1", "1" or "cpu"); overrides ``gpus``.
+    gpu_ids: Annotated[list[str], msgspec.Meta(min_length=1, max_length=64)] | None = None
+
+    def pick(self, available: Sequence[str]) -> list[str]:
+        """The devices to hold from ``available`` (best first); ParamError when
+        the machine has too few or the named ones are not there."""
+        if self.gpu_ids is not None:
+            named = [i if i == "cpu" or i.startswith("cuda:") else f"cuda:{i}" for i in self.gpu_ids]
+            unknown = [n for n in named if n not in available]
+            if unknown:
+                raise ParamError(f"gpu_ids: no device {', '.join(unknown)} here; "
+                                 f"known: {', '.join(sorted(available))}", param="params.gpu_ids")
+            return list(dict.fromkeys(named))
+        if self.gpus > len(available):
+            raise ParamError(f"gpus: {self.gpus} asked, this machine has {len(available)}",
+                             param="params.gpus")
+        return list(available[: self.gpus])
+
+
 class DatasetParams(JobParams):
     input: str
     format: DatasetFormat = "auto"
@@ -142,7 +166,7 @@ def dataset_outputs(datasets_dir: Path, output_name: str) -> tuple[Path, Path]:
     return (datasets_dir / f"{output_name}.train.jsonl", datasets_dir / f"{output_name}.eval.jsonl")
 
 
-class QuantizeParams(JobParams):
+class QuantizeParams(JobParams, DeviceChoice):
     model: str
     type: QuantType
     output_name: str | None = None
@@ -170,10 +194,10 @@ class QuantizeParams(JobParams):
     def devices(self, available: Sequence[str]) -> list[str]:
         # Quantizing maps the whole model into memory: hold the device so no
         # model worker competes with it.
-        return list(available[:1])
+        return self.pick(available)
 
 
-class SleepParams(JobParams):
+class SleepParams(JobParams, DeviceChoice):
     """A cheap job for tests and benchmarks: N steps with progress."""
 
     steps: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 5
@@ -187,7 +211,7 @@ class SleepParams(JobParams):
     tag: Annotated[str, msgspec.Meta(max_length=200)] = ""
 
     def devices(self, available: Sequence[str]) -> list[str]:
-        return list(available[:1]) if self.use_device else []
+        return self.pick(available) if self.use_device else []
 
 
 @dataclass(frozen=True)

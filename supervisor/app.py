@@ -44,7 +44,7 @@ from supervisor.appkeys import (
 from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
-from supervisor.lab.lease import GpuLease, detect_devices
+from supervisor.lab.gpu_setup import build_lease, gpu_room
 from supervisor.lab.runner import JobRunner, RunnerSettings
 from supervisor.lab.store import JOBS_OWNER_SCHEMA, JOBS_SCHEMA, JobStore
 from supervisor.models.library import ModelLibrary
@@ -144,7 +144,8 @@ async def library_ctx(app: web.Application) -> AsyncIterator[None]:
 async def lease_ctx(app: web.Application) -> AsyncIterator[None]:
     """The GPU lease: the devices found at start. It holds no task of its own."""
     cfg = app[CONFIG]
-    app[LEASE] = GpuLease(await detect_devices(cfg.devices), drain_timeout=cfg.drain_timeout)
+    app[LEASE] = await build_lease(cfg.devices, drain_timeout=cfg.drain_timeout,
+                                   settle_timeout=cfg.gpu_settle_timeout)
     yield
 
 
@@ -154,7 +155,8 @@ async def pool_ctx(app: web.Application) -> AsyncIterator[None]:
     lease = app[LEASE]
     source = LibrarySource(app[LIBRARY])
     pool = WorkerPool(source, cfg, timing_from(cfg), cfg.run_path, cfg.state_path / "logs",
-                      admission=lease.worker_admission, device=lease.default_device)
+                      admission=lease.worker_admission, device=lease.default_device,
+                      gpus=gpu_room(lease, cfg.gpu_headroom), bookings=lease)
     lease.set_users(pool)
     pool.start()
     app[POOL] = pool

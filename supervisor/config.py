@@ -11,7 +11,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -25,6 +25,11 @@ class ConfigError(Exception):
 
 
 CacheType = Literal["f16", "q8_0", "q4_0"]
+# off; draft: a smaller model of the same vocabulary drafts; mtp: the model's
+# own next-token-prediction layers draft; ngram: prompt lookup; auto: draft
+# when a draft model is set, else mtp when the model has MTP layers, else off.
+SpeculativeMode = Literal["off", "draft", "mtp", "ngram", "auto"]
+MAX_DRAFT = 64
 AuthMode = Literal["auto", "on", "off"]
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -58,7 +63,14 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     n_ctx: int | None = None
     cache_type: CacheType | None = None
     n_gpu_layers: int | None = None
-    draft_ngram: int | None = None
+    # The older spelling of speculative = "ngram" with draft_max = N (0 = off).
+    draft_ngram: Annotated[int, msgspec.Meta(ge=0, le=MAX_DRAFT)] | None = None
+    speculative: SpeculativeMode | None = None
+    # A library id: the model that drafts with speculative = "draft" (or "auto").
+    draft_model: str | None = None
+    # Tokens drafted per step; unset = the engine's defaults.
+    draft_min: Annotated[int, msgspec.Meta(ge=0, le=MAX_DRAFT)] | None = None
+    draft_max: Annotated[int, msgspec.Meta(ge=1, le=MAX_DRAFT)] | None = None
     keep_alive: str | int | float | None = None
     # Generations a worker runs at once (engine slots); 0 = 4 on a GPU, 2 on the CPU.
     parallel: int | None = None
@@ -68,16 +80,52 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
             raise ValueError("n_ctx must be at least 16")
         if self.parallel is not None and not 0 <= self.parallel <= MAX_PARALLEL:
             raise ValueError(f"parallel must be within 0..{MAX_PARALLEL}")
-        if self.draft_ngram is not None and not 0 <= self.draft_ngram <= 64:
-            raise ValueError("draft_ngram must be within 0..64")
         if self.keep_alive is not None:
             parse_duration(self.keep_alive)
 
+    def speculative_mode(self) -> SpeculativeMode:
+        """The drafting asked for, with draft_ngram read as its older spelling."""
+        if self.speculative is not None:
+            return self.speculative
+        return "ngram" if self.draft_ngram else "off"
+
+    def draft_lengths(self) -> tuple[int, int]:
+        """(min, max) tokens drafted per step; 0 = the engine's default."""
+        most = self.draft_max or (self.draft_ngram or 0 if self.speculative_mode() == "ngram" else 0)
+        return self.draft_min or 0, most
+
+    def speculative_problem(self) -> tuple[str, str] | None:
+        """(setting, why) when the speculative settings contradict each other."""
+        mode = self.speculative_mode()
+        if self.draft_ngram and mode != "ngram":
+            return "draft_ngram", (f'draft_ngram means speculative = "ngram"; with speculative = "{mode}" '
+                                   "set draft_max instead")
+        if self.draft_ngram and self.draft_max and self.draft_ngram != self.draft_max:
+            return "draft_ngram", "draft_ngram and draft_max disagree; set only draft_max"
+        if self.draft_min and self.draft_max and self.draft_min > self.draft_max:
+            return "draft_min", f"draft_min ({self.draft_min}) is above draft_max ({self.draft_max})"
+        if mode == "draft" and not self.draft_model:
+            return "draft_model", 'speculative = "draft" needs draft_model (a model id from the library)'
+        return None
+
     def over(self, base: ModelSettings) -> ModelSettings:
         """These settings, with unset fields taken from ``base``."""
-        merged = msgspec.structs.asdict(base)
-        merged.update({k: v for k, v in msgspec.structs.asdict(self).items() if v is not None})
+        merged = base._spelled_out()
+        merged.update({k: v for k, v in self._spelled_out().items() if v is not None})
         return ModelSettings(**merged)
+
+    def _spelled_out(self) -> dict[str, Any]:
+        """The fields, with draft_ngram = N read as what it means in this
+        layer: speculative = "ngram" and draft_max = N (0: "off"). Set beside
+        speculative or another draft_max, it stays, for speculative_problem
+        to refuse."""
+        fields = msgspec.structs.asdict(self)
+        clash = bool(self.draft_ngram and self.draft_max and self.draft_max != self.draft_ngram)
+        if self.draft_ngram is not None and self.speculative is None and not clash:
+            fields.update(speculative="ngram" if self.draft_ngram else "off", draft_ngram=None)
+            if self.draft_ngram and self.draft_max is None:
+                fields["draft_max"] = self.draft_ngram
+        return fields
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -114,11 +162,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_loaded_models: int = 3
     keep_alive: str | int | float = "5m"
     cache_type: CacheType = "f16"
-    draft_ngram: int = 0
+    draft_ngram: Annotated[int, msgspec.Meta(ge=0, le=MAX_DRAFT)] = 0  # prompt lookup for every model (0 = off)
     parallel: int = 0
     min_ctx: int = 2048
     # Memory gpuvisor may use for models (MiB); 0 = whatever is free.
     memory_budget_mib: int = 0
+    # Share of each GPU's free memory a placement keeps back (0.1 = 10 %).
+    gpu_headroom: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.1
+    # Longest wait for the driver to show memory freed (an eviction, a job's end).
+    gpu_settle_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=600.0)] = 10.0
     load_wait_timeout: float = 30.0
     load_stall_timeout: float = 60.0
     model_defaults: dict[str, ModelSettings] = {}
@@ -195,6 +247,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         parse_duration(self.keep_alive)
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError("log_level must be debug, info, warning or error")
+        for model_id, own in self.model_defaults.items():
+            problem = own.speculative_problem()
+            if problem is not None:
+                raise ValueError(f"model_defaults.{model_id}.{problem[0]}: {problem[1]}")
 
     def model_settings(self, model_id: str) -> ModelSettings:
         """Global defaults overlaid with this model's own defaults."""

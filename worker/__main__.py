@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from worker import speculative
 from worker.engine import EngineOptions
 from worker.server import run
 
@@ -27,14 +28,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--embedding", action="store_true")
     ap.add_argument("--cache-type", default="f16", choices=["f16", "q8_0", "q4_0"])
-    ap.add_argument("--draft-ngram", type=int, default=0)
+    speculative.add_arguments(ap)
     ap.add_argument("--parallel", type=int, default=1, help="generations at once (engine slots)")
     ap.add_argument("--engine-socket", default="",
                     help="Unix socket (ending in .sock) for the engine's own HTTP listener; "
                          "default: beside --socket")
     ap.add_argument("--mmproj", default="", help="the model's image projector (mmproj GGUF)")
+    ap.add_argument("--lora", action="append", default=[],
+                    help="a GGUF LoRA adapter to hold for requests that name it (repeatable)")
+    ap.add_argument("--tensor-split", type=_shares, default=(),
+                    help="comma-separated shares of the layers per visible GPU, e.g. 0.6,0.4")
     ap.add_argument("--heartbeat", type=float, default=1.0)
     return ap.parse_args(argv)
+
+
+def _shares(text: str) -> tuple[float, ...]:
+    try:
+        shares = tuple(float(x) for x in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from exc
+    if any(x < 0 for x in shares) or sum(shares) <= 0:
+        raise argparse.ArgumentTypeError(f"shares must be >= 0 and not all 0: {text!r}")
+    return shares
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     engine_socket = args.engine_socket or str(Path(args.socket).with_suffix(".e.sock"))
     faulthandler.enable()  # a native crash leaves its Python stack in the log
     opts = EngineOptions(args.model, args.n_ctx, args.n_gpu_layers, args.threads, args.embedding,
-                         args.cache_type, args.draft_ngram, args.parallel, engine_socket,
+                         args.cache_type, speculative.from_args(args), args.parallel, engine_socket,
                          args.mmproj)
+    opts.lora = list(args.lora)
+    opts.tensor_split = args.tensor_split
     return asyncio.run(run(opts, args.socket, args.heartbeat))
 
 

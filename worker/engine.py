@@ -29,6 +29,7 @@ from typing import Any
 
 import xllamacpp
 
+from worker.adapters import AdapterError, AdapterSet
 from worker.chat_template import ChatRenderer, TemplateError
 from worker.gguf_meta import GGUFMetaError, read_metadata
 from worker.grammar_guard import check_grammar, schema_to_grammar
@@ -46,6 +47,7 @@ from worker.protocol import (
     TopLogprob,
 )
 from worker.schema_gbnf import json_object_gbnf
+from worker.speculative import SpeculativeOptions
 from worker.unix_http import UnixJSONClient
 from worker.vision import ProjectorError, check_projector, oai_chunk
 
@@ -77,14 +79,18 @@ class EngineOptions:
     n_threads: int
     embedding: bool
     cache_type: str = "f16"
-    # Prompt-lookup (n-gram) speculative decoding: draft tokens per step; 0 = off.
-    draft_ngram: int = 0
+    # Speculative decoding: mode, draft model and draft lengths (worker/speculative.py).
+    speculative: SpeculativeOptions = SpeculativeOptions()
     # Generations run at once, each in its own slot of n_ctx tokens.
     parallel: int = 1
     # Where the engine's own HTTP listener binds (a Unix socket, never TCP).
     engine_socket: str = ""
     # The model's image projector (mmproj GGUF); "" = text only.
     mmproj: str = ""
+    # GGUF LoRA adapters to hold, applied per request (worker/adapters.py).
+    lora: list[str] = field(default_factory=list)
+    # Shares of the layers per visible GPU (a split over several); empty: one GPU.
+    tensor_split: tuple[float, ...] = ()
 
 
 @dataclass
@@ -92,18 +98,38 @@ class Counters:
     requests_done: int = 0
     requests_cancelled: int = 0
     tokens_generated: int = 0
+    # Speculative decoding: tokens drafted, and those the target accepted.
+    draft_tokens: int = 0
+    draft_accepted: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def count(self, finish: str, tokens: int) -> None:
+    def count(self, finish: str, tokens: int, drafted: int = 0, accepted: int = 0) -> None:
         with self.lock:
             self.tokens_generated += tokens
+            self.draft_tokens += drafted
+            self.draft_accepted += accepted
             if finish == "cancelled":
                 self.requests_cancelled += 1
             else:
                 self.requests_done += 1
 
 
-def engine_params(opts: EngineOptions, mmproj: str = "") -> xllamacpp.CommonParams:
+# The engine's tensor_split is a fixed array: one share per possible device.
+ENGINE_MAX_DEVICES = 128
+
+
+def apply_tensor_split(p: xllamacpp.CommonParams, shares: tuple[float, ...]) -> None:
+    """Split the layers over the visible GPUs in these shares (whole layers per GPU)."""
+    if len(shares) < 2:
+        return
+    if len(shares) > ENGINE_MAX_DEVICES:
+        raise ValueError(f"tensor split over {len(shares)} GPUs; the engine takes {ENGINE_MAX_DEVICES}")
+    p.tensor_split = [*shares, *([0.0] * (ENGINE_MAX_DEVICES - len(shares)))]
+    p.split_mode = xllamacpp.llama_split_mode.LLAMA_SPLIT_MODE_LAYER
+
+
+def engine_params(opts: EngineOptions, mmproj: str = "",
+                  adapters: AdapterSet | None = None) -> xllamacpp.CommonParams:
     p = xllamacpp.CommonParams()
     p.model.path = opts.model_path
     parallel = max(1, opts.parallel)
@@ -121,6 +147,7 @@ def engine_params(opts: EngineOptions, mmproj: str = "") -> xllamacpp.CommonPara
     p.swa_full = False
     p.ctx_shift = False
     p.n_gpu_layers = opts.n_gpu_layers
+    apply_tensor_split(p, opts.tensor_split)
     p.n_batch = PREFILL_BATCH
     p.n_ubatch = PREFILL_BATCH
     p.warmup = False
@@ -145,9 +172,7 @@ def engine_params(opts: EngineOptions, mmproj: str = "") -> xllamacpp.CommonPara
     # scores, which memfit does not plan for. Forced on, such an op just runs
     # on the device that has the kernel.
     p.flash_attn_type = xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_ENABLED
-    if opts.draft_ngram > 0:
-        p.speculative.types = [xllamacpp.common_speculative_type.COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE]
-        p.speculative.ngram_simple.size_m = opts.draft_ngram
+    opts.speculative.apply(p, opts.n_gpu_layers)
     p.hostnames = [opts.engine_socket]
     if mmproj:
         p.mmproj.path = mmproj
@@ -156,6 +181,8 @@ def engine_params(opts: EngineOptions, mmproj: str = "") -> xllamacpp.CommonPara
         # Requests with images stream over the listener, one HTTP thread
         # each for their whole generation, beside tokenize calls.
         p.n_threads_http = 2 + max(1, opts.parallel)
+    if adapters is not None:
+        adapters.configure(p)
     return p
 
 
@@ -210,6 +237,9 @@ class _Stream:
         self.prompt_tokens = 0
         self.cached = 0
         self.generated = 0
+        # The engine's per-request draft counters (cumulative in its timings).
+        self.drafted = 0
+        self.accepted = 0
         self.finish = "length"
         self.error: dict[str, Any] | None = None
         self.began = False
@@ -231,6 +261,8 @@ class _Stream:
             self.emit(Started(self.req.id, self.prompt_tokens))
         timings = chunk.get("timings") or {}
         n = int(timings.get("predicted_n", self.generated))
+        self.drafted = int(timings.get("draft_n", self.drafted))
+        self.accepted = int(timings.get("draft_n_accepted", self.accepted))
         if "cache_n" in timings:
             self.cached = int(timings["cache_n"])
             self.prompt_tokens = self.cached + int(timings.get("prompt_n", 0))
@@ -280,14 +312,15 @@ class Engine:
             except ProjectorError as exc:
                 self.vision_error = str(exc)
                 mmproj = ""
+        self.adapters, self.adapter_error = AdapterSet.prepare(opts.lora, sock.with_suffix(".neutral.gguf"))
         try:
-            self.server = self._start(opts, sock, mmproj)
+            self.server = self._start_held(opts, sock, mmproj)
         except LoadError:
             if not mmproj:
                 raise
             # The engine reports any load failure the same way: retry
             # without the projector to tell whose it was, and serve text.
-            self.server = self._start(opts, sock, "")
+            self.server = self._start_held(opts, sock, "")
             self.vision_error = (f"the engine could not load the projector {Path(mmproj).name} "
                                  "(its log says why, e.g. an embedding width unlike the model's)")
         if self.vision_error:
@@ -314,16 +347,32 @@ class Engine:
             chat_template=template,
             vision=self.vision,
             vision_error=self.vision_error,
+            adapters=list(self.adapters.paths),
+            adapter_error=self.adapter_error,
         )
 
+    def _start_held(self, opts: EngineOptions, sock: Path, mmproj: str) -> xllamacpp.Server:
+        """Start with the adapters; if only they fail, without them (and say why)."""
+        if not self.adapters.paths:
+            return self._start(opts, sock, mmproj)
+        try:
+            return self._start(opts, sock, mmproj, self.adapters)
+        except LoadError:
+            server = self._start(opts, sock, mmproj)  # raises when the fault is not theirs
+        self.adapter_error = "the engine could not load the LoRA adapters (its log says why)"
+        log.warning("serving the base model alone: %s", self.adapter_error)
+        self.adapters = AdapterSet()
+        return server
+
     @staticmethod
-    def _start(opts: EngineOptions, sock: Path, mmproj: str) -> xllamacpp.Server:
+    def _start(opts: EngineOptions, sock: Path, mmproj: str,
+               adapters: AdapterSet | None = None) -> xllamacpp.Server:
         # A stale socket file makes the engine's listener fail to bind.
         sock.unlink(missing_ok=True)
         try:
-            return xllamacpp.Server(engine_params(opts, mmproj))
+            return xllamacpp.Server(engine_params(opts, mmproj, adapters))
         except (RuntimeError, ValueError, OSError) as exc:
-            raise LoadError(f"cannot load {opts.model_path}: {exc}") from exc
+            raise LoadError(f"cannot load {opts.model_path}{opts.speculative.load_note()}: {exc}") from exc
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.http.tokenize(text, add_special=add_special, parse_special=True)
@@ -360,6 +409,10 @@ class Engine:
                 # is an image (it needs a text token to sample from).
                 raise ImageError("invalid_request", "the prompt ends with an image; text must follow it")
             grammar = output_grammar(req.params)
+            lora = self.adapters.request_field(req.adapter, req.adapter_scale)
+        except AdapterError as exc:
+            emit(Error(req.id, "adapter_unavailable", str(exc)))
+            return
         except ImageError as exc:
             emit(exc.reply(req.id))
             return
@@ -372,6 +425,8 @@ class Engine:
         body = _sampling(req.params, grammar, [*req.params.stop, *extra_stops])
         body.update(prompt=text, stream=True, return_progress=True, timings_per_token=True,
                     cache_prompt=True)
+        if lora is not None:
+            body["lora"] = lora
         stream = _Stream(req, emit, cancelled)
         if req.images:
             self._native_completion(req, body, stream)
@@ -384,7 +439,7 @@ class Engine:
             emit(Error(req.id, "engine_error", str(stream.error.get("message", stream.error))))
             return
         done = stream.done()
-        self.counters.count(done.finish_reason, done.completion_tokens)
+        self.counters.count(done.finish_reason, done.completion_tokens, stream.drafted, stream.accepted)
         emit(done)
 
     def _native_completion(self, req: Generate, body: dict[str, Any], stream: _Stream) -> None:

@@ -122,9 +122,13 @@ class Generate(msgspec.Struct, tag=True, omit_defaults=True):
     # Extra variables for the chat template (e.g. enable_thinking).
     template_vars: dict[str, Any] = {}
     request_id: str = ""
-    # Encoded images (PNG, JPEG, WebP or GIF bytes), placed by the ImageParts
+    # Encoded images (PNG, JPEG or GIF bytes), placed by the ImageParts
     # of ``messages`` or the MEDIA_MARKERs of ``prompt``, in order.
     images: list[bytes] = []
+    # A LoRA adapter the worker holds (its path, as on its command line) to
+    # run this request with, at this scale; "" = the base model alone.
+    adapter: str = ""
+    adapter_scale: float = 1.0
 
 
 class Tokenize(msgspec.Struct, tag=True):
@@ -168,6 +172,10 @@ class ModelFacts(msgspec.Struct):
     # given but not loaded, why; the model then serves text only.
     vision: bool = False
     vision_error: str = ""
+    # The LoRA adapters the worker holds (paths), and if it was given some
+    # but the engine refused them, why; it then serves the base alone.
+    adapters: list[str] = []
+    adapter_error: str = ""
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -253,6 +261,9 @@ class WorkerStats(msgspec.Struct):
     active_id: int | None = None
     # Requests running at once (up to the worker's parallel slots).
     active: int = 0
+    # Speculative decoding since the worker started: tokens drafted, and accepted.
+    draft_tokens: int = 0
+    draft_accepted: int = 0
 
 
 class Pong(msgspec.Struct, tag=True):

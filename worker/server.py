@@ -125,7 +125,7 @@ class WorkerServer:
         c = self.engine.counters
         active = min(self.active, default=None)
         return p.WorkerStats(self.pending > 0, c.requests_done, c.requests_cancelled,
-                             c.tokens_generated, active, len(self.active))
+                             c.tokens_generated, active, len(self.active), c.draft_tokens, c.draft_accepted)
 
     async def heartbeat(self) -> None:
         while True:

@@ -49,6 +49,7 @@ from supervisor.errors import (
 )
 from supervisor.lab.hub import StoredEvent, Subscription
 from supervisor.lab.store import FINISHED, Job, JobStore
+from supervisor.models.devices import DeviceReadError, GpuReading
 from supervisor.workers.engine_check import EngineBuild
 
 _STATUSES = frozenset({"queued", "running", *FINISHED})
@@ -140,6 +141,8 @@ async def submit_job(request: web.Request) -> web.Response:
     ctx = ResolveContext(settings.roots, settings.model_lookup, test_kinds=settings.test_job_kinds)
     try:
         params = validate_params(body.kind, body.params, ctx)
+        # Devices the machine lacks (gpus, gpu_ids) are a 400 now, not a failed job later.
+        params.devices(request.app[LEASE].devices)
     except ParamError as exc:
         raise param_error(exc) from exc
     job, created = await request.app[JOB_RUNNER].submit(body.kind, params, body.priority, who.owner)
@@ -315,7 +318,17 @@ async def _stream(
 
 
 async def gpu_state(request: web.Request) -> web.Response:
-    state = dict(request.app[LEASE].snapshot())
+    lease = request.app[LEASE]
+    memory: list[GpuReading] = []
+    memory_error = None
+    if lease.settler is not None and lease.gpu_indices(lease.devices):
+        try:
+            # Memory per GPU as the driver reports it now (a blocking read: in a thread).
+            memory = await lease.settler.read()
+        except DeviceReadError as exc:
+            memory_error = str(exc)
+    state = dict(lease.snapshot(memory))
+    state["memory_error"] = memory_error
     check = request.app.get(ENGINE_CHECK)
     # An app assembled without the start-up check (a lab-only app) reports it unchecked.
     build = check.build if check is not None else EngineBuild()

@@ -4,6 +4,8 @@ Two kinds of series:
 - event series kept by :class:`Metrics` (one per app, no global registry):
   HTTP requests by route and status, request durations, and per model the
   time to first token and decode speed, fed by ``WorkerPool.on_done``;
+- speculative decoding per drafting worker: tokens drafted and accepted, and
+  their ratio (the worker's counters, read at scrape time);
 - state read at scrape time by :class:`Snapshot`: queue depth, worker state
   and restarts, loaded models, GPU lease holder and waits, jobs by status and
   job durations (over the jobs the database still retains).
@@ -121,6 +123,7 @@ class Snapshot:
 
     def collect(self) -> Iterable[Metric]:
         yield from self._workers()
+        yield from self._speculative()
         if self.lease is not None:
             yield from self._lease(self.lease)
         yield from self._jobs()
@@ -146,6 +149,26 @@ class Snapshot:
                 reason.add_metric([*labels, str(w["reason"])[:200]], 1)
         loaded.add_metric([], sum(1 for w in self.workers if w["state"] == "ready"))
         return [queue, state, restarts, reason, loaded]
+
+    def _speculative(self) -> Iterable[Metric]:
+        """Draft counters of the workers that draft, since each started."""
+        labels = ["model", "speculative"]
+        drafted = CounterMetricFamily("gpuvisor_speculative_draft_tokens",
+                                      "Tokens drafted by speculative decoding", labels=labels)
+        accepted = CounterMetricFamily("gpuvisor_speculative_accepted_tokens",
+                                       "Drafted tokens the model accepted", labels=labels)
+        ratio = GaugeMetricFamily("gpuvisor_speculative_acceptance_ratio",
+                                  "Share of drafted tokens accepted (absent before any draft)", labels=labels)
+        for w in self.workers:
+            stats = w.get("stats")
+            if w["mode"] != "generate" or w.get("speculative", "off") == "off" or not stats:
+                continue
+            key = [w["model"], w["speculative"]]
+            drafted.add_metric(key, int(stats["draft_tokens"]))
+            accepted.add_metric(key, int(stats["draft_accepted"]))
+            if stats["draft_tokens"]:
+                ratio.add_metric(key, stats["draft_accepted"] / stats["draft_tokens"])
+        return [drafted, accepted, ratio]
 
     @staticmethod
     def _lease(snap: dict[str, Any]) -> Iterable[Metric]:

@@ -11,11 +11,13 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from supervisor.api.adapter_views import api_adapters, base_adapters
 from supervisor.api.io import decode_json, json_response, read_body
 from supervisor.appkeys import LIBRARY, POOL
 from supervisor.config import ModelSettings
 from supervisor.errors import BadRequest, ModelNotFound
 from supervisor.models.library import ModelEntry
+from supervisor.workers.drafting import describe_speculative
 from supervisor.workers.handle import WorkerState, worker_log_path
 from supervisor.workers.pool import WorkerPool
 
@@ -59,14 +61,17 @@ def describe_model(entry: ModelEntry, pool: WorkerPool) -> dict[str, Any]:
         "supports_tools": bool(info and info.supports_tools),
         "supports_reasoning": bool(info and info.supports_reasoning),
         "usable": entry.usable,
-        "reason": (status or {}).get("reason") or entry.reason,
+        "reason": (status or {}).get("reason") or entry.reason or pool.speculative.refusals.get(entry.id),
         "state": state,
         "worker": status,
         "keep_alive_expires_at": status["keep_alive_expires_at"] if status else None,
         "load": None if not status or status["load_progress"] is None else {
             "progress": status["load_progress"]},
         "fit": None if fit is None else msgspec.to_builtins(fit),
+        "speculative": describe_speculative(pool.speculative, entry.id, pool.handles.get((entry.id, False))),
         "log_tail": _log_tail(pool, entry.id),
+        # The LoRA adapters that fit this base, served as <id>:<adapter> (adapter_views.py).
+        "adapters": base_adapters(entry),
     }
 
 
@@ -89,7 +94,8 @@ def _entry(request: web.Request) -> ModelEntry:
 async def list_models(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     entries = sorted(request.app[LIBRARY].list(), key=lambda e: e.id)
-    return json_response({"object": "list", "data": [describe_model(e, pool) for e in entries]})
+    return json_response({"object": "list", "data": [describe_model(e, pool) for e in entries],
+                          "adapters": api_adapters(pool)})
 
 
 async def get_model(request: web.Request) -> web.Response:

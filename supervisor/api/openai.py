@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from supervisor.api.adapter_views import v1_pairs
 from supervisor.api.io import SseWriter, decode_body, json_response
 from supervisor.api.models import model_vision
 from supervisor.api.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
@@ -327,7 +328,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         choices = await _admit(stack, pool, req.model, lambda: Reply.of(plan), _choice_params(plan.params, req.n),
                                messages=plan.messages, tools=plan.tools, template_vars=plan.template_vars,
                                request_id=request.get("request_id", ""), keep_alive=keep_alive,
-                               images=images.data)
+                               images=images.data, lora_scale=req.lora_scale)
         return await _reply(request, _Shape(True, req.model), choices, req.stream, req.include_usage)
 
 
@@ -340,7 +341,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async with AsyncExitStack() as stack:
         choices = await _admit(stack, request.app[POOL], req.model, Reply, _choice_params(params, req.n),
                                prompt=prompt, request_id=request.get("request_id", ""),
-                               keep_alive=req.keep_alive_s())
+                               keep_alive=req.keep_alive_s(), lora_scale=req.lora_scale)
         return await _reply(request, _Shape(False, req.model), choices, req.stream, req.include_usage,
                             echo=prompt if req.echo else None)
 
@@ -372,6 +373,7 @@ async def list_models(request: web.Request) -> web.Response:
         data.append({"id": entry.id, "object": "model", "created": int(entry.mtime),
                      "owned_by": "gpuvisor", "state": state, "reason": reason,
                      "vision": model_vision(pool, entry)[0]})
+    data += v1_pairs(pool)  # <base>:<adapter> pairs (supervisor/api/adapter_views.py)
     return json_response({"object": "list", "data": data})
 
 

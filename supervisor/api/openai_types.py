@@ -141,6 +141,8 @@ class Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     # How long the model stays loaded after this request (Ollama-style).
     keep_alive: str | int | float | None = None
+    # The adapter's scale for a <base>:<adapter> model (bounds: workers/adapter_route.py).
+    lora_scale: float | None = None
 
     def keep_alive_s(self) -> float | None:
         if self.keep_alive is None:

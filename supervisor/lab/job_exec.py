@@ -23,8 +23,9 @@ from jobs.events import Done, Failed, JobEvent
 from supervisor.lab.active import ActiveJob, RunnerSettings, StopReason
 from supervisor.lab.job_process import EventFramer, job_environ, kill_group
 from supervisor.lab.job_schema import Job
-from supervisor.lab.lease import GpuLease, cuda_visible_devices
+from supervisor.lab.lease import GpuLease
 from supervisor.lab.store import JobStore
+from supervisor.models.devices import pinned_environ
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,9 @@ class JobExecution:
         env = job_environ(kind, os.environ, self.settings.extra_env)
         root = str(Path(jobs.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        if any(self.lease.device(d).index is not None for d in self.lease.devices):
-            # On a GPU machine a job sees exactly the devices it holds.
-            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices([self.lease.device(d) for d in devices])
+        if self.lease.gpu_indices(self.lease.devices):
+            # On a GPU machine a job sees exactly the devices it holds (CUDA and ROCm).
+            env.update(pinned_environ(self.lease.gpu_indices(devices)))
         return env
 
     def _context(self, job: Job) -> JobContext:

@@ -8,7 +8,15 @@ job holds it exclusively until :meth:`GpuLease.release_job`, which the runner
 calls only after the job's whole process group has exited.
 
 Model workers do not queue: the pool asks :meth:`GpuLease.worker_admission`
-before using a device and gets ``None`` (go ahead) or the reason it may not.
+before using a device and gets ``None`` (go ahead) or the reason it may not;
+it books the devices a worker is placed on (:meth:`GpuLease.book_worker`).
+Every device is arbitrated on its own: holders of different devices never
+block each other. A job asking for a count of devices gets those with the
+fewest holders first (:meth:`GpuLease.preferred`).
+
+With a :class:`~supervisor.models.settle.Settler`, a job's devices are
+measured once vacated (after the evicted workers' memory came back), and
+their memory is expected back at the job's end.
 
 On a machine without a GPU the lease manages one logical device, ``cpu``, so
 the same code paths run everywhere.
@@ -18,11 +26,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
+
+from supervisor.models.devices import DeviceReadError, GpuReading
+from supervisor.models.settle import Settler
+
+log = logging.getLogger("gpuvisor.lease")
 
 CPU = "cpu"
 NVIDIA_SMI_QUERY = (
@@ -115,6 +129,12 @@ def cuda_visible_devices(devices: Sequence[Device]) -> str:
     return ",".join(str(d.index) for d in devices if d.index is not None)
 
 
+def devices_from_readings(readings: Sequence[GpuReading]) -> list[Device]:
+    """The lease's devices for these GPUs; ``cpu`` alone when there is none."""
+    found = [Device(r.device_id, r.name, r.index, r.total_bytes >> 20) for r in readings]
+    return found or [cpu_device()]
+
+
 RequestState = Literal["waiting", "draining", "holding"]
 
 
@@ -129,6 +149,8 @@ class _Request:
     turn: asyncio.Future[None]
     state: RequestState = "waiting"
     since: float = 0.0
+    # Free memory of its GPUs once vacated: expected back at its end.
+    baseline: tuple[GpuReading, ...] = ()
 
     def sort_key(self) -> tuple[int, int]:
         return (-self.priority, self.order)
@@ -143,6 +165,7 @@ class GpuLease:
         *,
         drain_timeout: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        settler: Settler | None = None,
     ) -> None:
         if not devices:
             raise ValueError("the lease needs at least one device")
@@ -154,6 +177,9 @@ class GpuLease:
         # Device -> job id of the request that reserved it (draining or holding).
         self._owner: dict[str, str] = {}
         self._order = itertools.count()
+        # Worker key -> the devices it is placed on (booked by the pool).
+        self._workers: dict[str, tuple[str, ...]] = {}
+        self.settler = settler
 
     # ------------------------------------------------------------ devices
 
@@ -170,6 +196,34 @@ class GpuLease:
 
     def set_users(self, users: DeviceUsers) -> None:
         self._users = users
+
+    def preferred(self) -> list[str]:
+        """Devices in the order a job asking for a count should take them:
+        those no job holds or waits for first, then those with fewer workers."""
+        wanted = {d for r in self._requests.values() for d in r.devices}
+        order = {d: i for i, d in enumerate(self._devices)}
+        workers = self.workers_on()
+        return sorted(self._devices, key=lambda d: (d in wanted, len(workers[d]), order[d]))
+
+    def gpu_indices(self, device_ids: Sequence[str]) -> list[int]:
+        """The GPU indices of these devices (none for ``cpu``)."""
+        return [i for i in (self._devices[d].index for d in device_ids) if i is not None]
+
+    # ------------------------------------------------------------ worker bookings
+
+    def book_worker(self, key: str, devices: Sequence[str]) -> None:
+        """A model worker is placed on ``devices`` (shown in the snapshot)."""
+        self._workers[key] = tuple(d for d in devices if d in self._devices)
+
+    def unbook_worker(self, key: str) -> None:
+        self._workers.pop(key, None)
+
+    def workers_on(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {d: [] for d in self._devices}
+        for key, devices in self._workers.items():
+            for d in devices:
+                out[d].append(key)
+        return out
 
     # ------------------------------------------------------------ jobs
 
@@ -199,6 +253,7 @@ class GpuLease:
             self._dispatch()
             await req.turn
             await self._vacate(req)
+            req.baseline = await self._measure(req)
         except BaseException:
             self._drop(req)
             raise
@@ -242,25 +297,34 @@ class GpuLease:
 
     # ------------------------------------------------------------ reporting
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, memory: Sequence[GpuReading] = ()) -> dict[str, Any]:
+        """Per device: holder, waiters (in turn order), workers, and the
+        ``memory`` readings given (the caller reads them: that blocks)."""
         now = self._clock()
+        waiters = sorted(
+            (r for r in self._requests.values() if r.state == "waiting"), key=_Request.sort_key
+        )
+        workers = self.workers_on()
+        by_index = {r.index: r for r in memory}
         devices = []
         for dev in self._devices.values():
             owner = self._owner.get(dev.id)
             req = self._requests.get(owner) if owner is not None else None
+            reading = by_index.get(dev.index) if dev.index is not None else None
             devices.append(
                 {
                     "id": dev.id,
                     "name": dev.name,
                     "memory_total_mib": dev.memory_total_mib,
+                    "memory": None if reading is None else {
+                        "free_mib": reading.free_bytes >> 20, "total_mib": reading.total_bytes >> 20},
                     "state": "free" if req is None else req.state,
                     "holder": None if req is None else _describe(req, now),
+                    "waiters": [r.job_id for r in waiters if dev.id in r.devices],
+                    "workers": workers[dev.id],
                     "why": self.worker_admission(dev.id),
                 }
             )
-        waiters = sorted(
-            (r for r in self._requests.values() if r.state == "waiting"), key=_Request.sort_key
-        )
         return {
             "devices": devices,
             "waiters": [_describe(r, now) for r in waiters],
@@ -289,6 +353,19 @@ class GpuLease:
                     req.turn.set_result(None)
             blocked |= wanted
 
+    async def _measure(self, req: _Request) -> tuple[GpuReading, ...]:
+        """The job's GPUs once the evicted workers' memory is back."""
+        indices = set(self.gpu_indices(req.devices))
+        if self.settler is None or not indices:
+            return ()
+        try:
+            await self.settler.wait(indices)
+            return tuple(r for r in await self.settler.read() if r.index in indices)
+        except DeviceReadError as exc:
+            # The job may run; only the wait for its memory at its end is lost.
+            log.warning("job %s: cannot read its GPUs (%s); no settle wait at its end", req.job_id, exc)
+            return ()
+
     async def _vacate(self, req: _Request) -> None:
         users = self._users
         if users is None:
@@ -301,6 +378,8 @@ class GpuLease:
     def _drop(self, req: _Request) -> None:
         if self._requests.get(req.job_id) is req:
             del self._requests[req.job_id]
+        if req.state == "holding" and req.baseline and self.settler is not None:
+            self.settler.expect_back(req.baseline)
         for d in req.devices:
             if self._owner.get(d) == req.job_id:
                 del self._owner[d]

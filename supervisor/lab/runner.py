@@ -288,7 +288,12 @@ class JobRunner:
         except msgspec.ValidationError as exc:
             await self._finish(active, "failed", error=f"stored params no longer valid: {exc}")
             return
-        devices = params.devices(self.lease.devices)
+        try:
+            # A count of devices takes the least used first; named ones are checked.
+            devices = params.devices(self.lease.preferred())
+        except ParamError as exc:
+            await self._finish(active, "failed", error=f"could not get the device: {exc}")
+            return
         if devices and not await self._acquire(active, devices):
             return
         try:

@@ -27,6 +27,11 @@ A file is offered only once it is settled: not a temporary name
 ``settle_s`` ago or seen with the same size and mtime on two looks at least
 ``settle_s`` apart. A file whose header cannot be read is listed as
 unusable, with the reason.
+
+A GGUF LoRA adapter (``general.type = adapter``) is no model: it is listed
+apart (:meth:`ModelLibrary.adapters`) and linked to the base models it fits
+(supervisor/models/adapters.py); each base entry holds its fitting adapters,
+and each pair is served as ``<base id>:<adapter id>`` (:meth:`ModelLibrary.pair`).
 """
 
 from __future__ import annotations
@@ -51,6 +56,12 @@ from jobs.gguf_names import (
     pick_projector,
 )
 from supervisor.models import library_watch
+from supervisor.models.adapters import (
+    AdapterEntry,
+    AdapterLink,
+    AdapterLinker,
+    AdapterRef,
+)
 from supervisor.models.gguf_info import GgufError, GgufInfo, read_gguf_info
 
 log = logging.getLogger(__name__)
@@ -72,6 +83,8 @@ class ModelEntry(msgspec.Struct, kw_only=True):
     info: GgufInfo | None = None
     usable: bool = True
     reason: str | None = None
+    # The LoRA adapters that fit this model (loaded with its worker).
+    adapters: list[AdapterRef] = []
 
 
 class _Look(msgspec.Struct):
@@ -103,6 +116,9 @@ class ModelLibrary:
         self._clock = clock
         self._wall = wall_clock
         self._entries: dict[str, ModelEntry] = {}
+        self._adapters: dict[str, AdapterEntry] = {}
+        self._pairs: dict[str, tuple[AdapterLink, AdapterEntry]] = {}
+        self._linker = AdapterLinker()
         self._looks: dict[str, _Look] = {}
         # Set by a scan that met a symlinked directory (see watch).
         self.linked_dirs = False
@@ -121,6 +137,13 @@ class ModelLibrary:
 
     def list(self) -> builtins.list[ModelEntry]:
         return list(self._entries.values())
+
+    def adapters(self) -> builtins.list[AdapterEntry]:
+        return list(self._adapters.values())
+
+    def pair(self, model_id: str) -> tuple[AdapterLink, AdapterEntry] | None:
+        """The (link, adapter) a ``<base>:<adapter>`` id names, fitting or not."""
+        return self._pairs.get(model_id)
 
     @property
     def version(self) -> int:
@@ -161,8 +184,11 @@ class ModelLibrary:
             alive = seen | {f for e in entries.values() for f in e.files}
             self._looks = {p: v for p, v in self._looks.items() if p in seen}
             self._headers = {p: v for p, v in self._headers.items() if p in alive}
-            if entries != self._entries:
+            entries, adapters = self._linker.split(entries, alive)
+            if entries != self._entries or adapters != self._adapters:
                 self._entries = entries
+                self._adapters = adapters
+                self._pairs = {lk.id: (lk, a) for a in adapters.values() for lk in a.links}
                 self._version += 1
                 self._signal()
 

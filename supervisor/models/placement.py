@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from supervisor.config import ModelSettings
+from supervisor.models.adapters import adapter_bytes
+from supervisor.models.draft import SpeculativePlan, draft_bytes, draft_outputs
 from supervisor.models.gguf_info import (
     GgufError,
     GgufInfo,
@@ -92,7 +94,7 @@ def kv_options(settings: ModelSettings, *, slots: int, embedding: bool) -> KvOpt
     # The worker sets the engine to match: flash attention on, swa_full off,
     # a cache per slot for generation and one shared cache for embeddings.
     return KvOptions(cache_type_k=cache, cache_type_v=cache, flash_attn=True, slots=slots,
-                     kv_unified=embedding, n_outputs=1 + (settings.draft_ngram or 0))
+                     kv_unified=embedding, n_outputs=1 + draft_outputs(settings))
 
 
 # The context of a model whose header names none, with n_ctx automatic.
@@ -101,7 +103,7 @@ FALLBACK_CTX = 4096
 
 def plan_load(entry: ModelEntry, settings: ModelSettings, *, explicit_ctx: bool, target_ctx: int,
               min_ctx: int, free_bytes: int, memory_kind: str, slots: int = 1,
-              embedding: bool = False) -> ContextDecision | None:
+              embedding: bool = False, draft: SpeculativePlan | None = None) -> ContextDecision | None:
     """The context and GPU layers to load with, or None when the header is
     unreadable (the worker then fails to load it, exit code 3, and reports why).
 
@@ -123,7 +125,11 @@ def plan_load(entry: ModelEntry, settings: ModelSettings, *, explicit_ctx: bool,
         floor=min(min_ctx, native),
         opts=opts,
         # The projector is one fixed block, held back like the runtime's own.
-        reserve_bytes=(GPU_RUNTIME_RESERVE if memory_kind == "gpu" else 0) + projector_bytes(entry, embedding),
+        reserve_bytes=(GPU_RUNTIME_RESERVE if memory_kind == "gpu" else 0) + projector_bytes(entry, embedding)
+        # A draft model's weights and KV, sized for the largest context this plan may choose.
+        + draft_bytes(entry, draft, n_ctx=requested or min(target_ctx or native, native), slots=slots)
+        # The LoRA adapters its worker holds (supervisor/models/adapters.py).
+        + (0 if embedding else adapter_bytes(entry.adapters)),
         memory_kind=memory_kind,
         n_gpu_layers=settings.n_gpu_layers if settings.n_gpu_layers is not None else -1,
         tensors=shard_tensor_sizes(entry, info),

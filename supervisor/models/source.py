@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from supervisor.models.adapters import AdapterEntry, AdapterLink
 from supervisor.models.demo import DEMO_MODEL_NAME, write_tiny_gguf
 from supervisor.models.library import ModelEntry, ModelLibrary
 
@@ -27,6 +28,13 @@ class LibrarySource:
 
     def entry(self, model_id: str) -> ModelEntry | None:
         return self.library.get(model_id)
+
+    def pair(self, model_id: str) -> tuple[AdapterLink, AdapterEntry] | None:
+        """The adapter pair a ``<base>:<adapter>`` id names (supervisor/models/adapters.py)."""
+        return self.library.pair(model_id)
+
+    def adapters(self) -> list[AdapterEntry]:
+        return self.library.adapters()
 
     def model_ids(self) -> list[str]:
         return sorted(e.id for e in self.library.list())

@@ -106,6 +106,8 @@ class CreateRequest(msgspec.Struct, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # Extension shared with our chat completions: generate to max_output_tokens.
     ignore_eos: bool = False
+    # Extension shared with our chat completions: a <base>:<adapter> model's adapter scale.
+    lora_scale: float | None = None
     # Hosted features with no local meaning: any value but null is a 400.
     conversation: None = None
     prompt: None = None

@@ -72,6 +72,7 @@ class GenerationPool(Protocol):
         template_vars: dict[str, Any] | None = None,
         request_id: str = "",
         images: list[bytes] | None = None,
+        lora_scale: float | None = None,
     ) -> Outputs: ...
 
 
@@ -91,6 +92,8 @@ class Plan:
     forced_name: str | None = None
     # The images the messages' ImageParts place, in order.
     images: list[bytes] = field(default_factory=list)
+    # The adapter's scale for a <base>:<adapter> model; None = as trained.
+    lora_scale: float | None = None
 
     @property
     def forced_call(self) -> bool:
@@ -244,6 +247,7 @@ def plan(req: CreateRequest, history: list[Item], items: list[Item], facts: Mode
         namespaces=offer.namespaces,
     )
     planned.images = images.data
+    planned.lora_scale = req.lora_scale
     return planned
 
 
@@ -251,6 +255,8 @@ async def admit(pool: GenerationPool, model: str, plan: Plan, request_id: str = 
     """Queue the generation on the model's worker; a refusal raises here."""
     # Images only when there are some: a pool without image support still serves text.
     extra: dict[str, Any] = {"images": plan.images} if plan.images else {}
+    if plan.lora_scale is not None:
+        extra["lora_scale"] = plan.lora_scale
     return await pool.admit(
         model,
         messages=plan.messages,

@@ -21,6 +21,7 @@ import msgspec
 import psutil
 
 from supervisor.lab.job_process import child_environ
+from supervisor.models.devices import pinned_environ
 from supervisor.workers.crash import log_size, read_log_tail, worker_log_path
 from supervisor.workers.spec import Timing, WorkerSpec
 from worker import protocol as p
@@ -164,14 +165,18 @@ class WorkerProcess:
             args.append("--embedding")
         if s.cache_type != "f16":
             args += ["--cache-type", s.cache_type]
-        if s.draft_ngram > 0:
-            args += ["--draft-ngram", str(s.draft_ngram)]
+        args += s.speculative.argv()
+        if s.tensor_split:
+            args += ["--tensor-split", ",".join(f"{x:.4f}" for x in s.tensor_split)]
         if s.mmproj is not None:
             args += ["--mmproj", str(s.mmproj)]
+        for adapter in s.lora:
+            args += ["--lora", str(adapter)]
         return args
 
     async def _exec(self, sock: Path) -> asyncio.subprocess.Process:
         env = child_environ(os.environ)  # an allowlist: no token reaches a worker
+        env.update(worker_environ(self.spec))
         # The child keeps its own descriptor: ours closes once it is spawned.
         with _open_log(self.log_path) as logfile:
             return await asyncio.create_subprocess_exec(
@@ -234,6 +239,12 @@ class WorkerProcess:
             _engine_socket(self._sock).unlink(missing_ok=True)
         self._proc = None
         return proc.returncode
+
+
+def worker_environ(spec: WorkerSpec) -> dict[str, str]:
+    """What a worker's environment gets on top of the allowlist: exactly its
+    GPUs, so the engine cannot spread over GPUs the lease did not book."""
+    return {} if spec.gpu_indices is None else pinned_environ(spec.gpu_indices)
 
 
 def kill_group_leftovers(pgid: int) -> None:

@@ -3,7 +3,9 @@
 ``Room`` decides how a new worker fits: it stops the least recently used idle
 worker while there are too many loaded or too little memory, waits (up to
 ``load_wait_timeout``) for a busy one to go idle, and plans the load's context
-and GPU layers (supervisor/models/placement.py) against what is free.
+and GPU layers (supervisor/models/placement.py) against what is free. With
+GPUs in the lease it places the load per GPU (supervisor/workers/gpu_room.py)
+and, before stopping a worker there, tells the settle wait what comes back.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from typing import Protocol
 
 from supervisor.config import ModelSettings
 from supervisor.errors import Unavailable
+from supervisor.models.draft import SpeculativePlan
+from supervisor.models.gpu_place import GpuPlacement, cpu_placement
 from supervisor.models.library import ModelEntry
 from supervisor.models.memfit import ContextDecision, DoesNotFit
 from supervisor.models.memory import MemorySnapshot, free_memory
 from supervisor.models.placement import measure_free, plan_load
+from supervisor.workers.gpu_room import GpuRoom
 from supervisor.workers.handle import WorkerHandle, WorkerState
 
 log = logging.getLogger("gpuvisor.pool")
@@ -39,44 +44,85 @@ class Room:
 
     def __init__(self, cfg: RoomConfig, handles: dict[Key, WorkerHandle],
                  fits: dict[Key, ContextDecision | None],
-                 drop: Callable[[Key, str], Awaitable[None]], changed: asyncio.Event) -> None:
+                 drop: Callable[[Key, str], Awaitable[None]], changed: asyncio.Event, *,
+                 gpus: GpuRoom | None = None, placements: dict[Key, GpuPlacement] | None = None) -> None:
         self.cfg = cfg
+        self.gpus = gpus if gpus is not None and gpus.enabled() else None
+        self.placements: dict[Key, GpuPlacement] = {} if placements is None else placements
         self.handles = handles
         self.fits = fits
         self.drop = drop
         self.changed = changed  # the pool's own changes (a handle added or dropped)
 
     async def check_fits_at_all(self, entry: ModelEntry, settings: ModelSettings,
-                                explicit_ctx: bool, parallel: int, embedding: bool) -> None:
+                                explicit_ctx: bool, parallel: int, embedding: bool,
+                                draft: SpeculativePlan | None = None) -> None:
         """Raise DoesNotFit (400, param n_ctx) when the load would not fit even
         in all of the memory (or the whole budget) with no model loaded: then
         no eviction or wait can help, and none is made."""
-        snap: MemorySnapshot = await asyncio.to_thread(free_memory)
-        ceiling = snap.total_bytes
-        if self.cfg.memory_budget_mib > 0:
-            ceiling = min(ceiling, self.cfg.memory_budget_mib << 20)
+        if self.gpus is not None:
+            ceiling, kind = await self.gpus.ceiling(self.cfg.memory_budget_mib << 20), "gpu"
+        else:
+            snap: MemorySnapshot = await asyncio.to_thread(free_memory)
+            ceiling, kind = snap.total_bytes, snap.kind
+            if self.cfg.memory_budget_mib > 0:
+                ceiling = min(ceiling, self.cfg.memory_budget_mib << 20)
         await asyncio.to_thread(
             plan_load, entry, settings, explicit_ctx=explicit_ctx, target_ctx=self.cfg.n_ctx,
-            min_ctx=self.cfg.min_ctx, free_bytes=ceiling, memory_kind=snap.kind, slots=parallel,
-            embedding=embedding)
+            min_ctx=self.cfg.min_ctx, free_bytes=ceiling, memory_kind=kind, slots=parallel,
+            embedding=embedding, draft=draft)
 
     async def fit(self, entry: ModelEntry, settings: ModelSettings,
-                  explicit_ctx: bool, parallel: int, embedding: bool) -> ContextDecision | None:
+                  explicit_ctx: bool, parallel: int, embedding: bool,
+                  draft: SpeculativePlan | None = None) -> ContextDecision | None:
+        return (await self.fit_placed(entry, settings, explicit_ctx, parallel, embedding, draft))[0]
+
+    async def _plan(self, entry: ModelEntry, settings: ModelSettings, explicit_ctx: bool,
+                    parallel: int, embedding: bool,
+                    draft: SpeculativePlan | None) -> tuple[ContextDecision | None, GpuPlacement]:
+        """One look at the memory and the plan in it; DoesNotFit when it does not fit."""
+        committed = [f.needed_bytes for f in self.fits.values() if f is not None]
+
+        def plan(free: int, kind: str) -> ContextDecision | None:
+            return plan_load(entry, settings, explicit_ctx=explicit_ctx, target_ctx=self.cfg.n_ctx,
+                             min_ctx=self.cfg.min_ctx, free_bytes=free, memory_kind=kind,
+                             slots=parallel, embedding=embedding, draft=draft)
+
+        if self.gpus is None:
+            free, kind = await measure_free(self.cfg.memory_budget_mib << 20, committed)
+            # In a thread: it reads the headers of a shard set's further files.
+            decision = await asyncio.to_thread(plan, free, kind)
+            return decision, cpu_placement() if kind == "ram" else GpuPlacement(
+                mode="single", devices=["gpu"], usable_bytes=free, headroom=0.0,
+                reason="all visible GPU memory as one (the lease manages no GPU by itself)")
+        budget = self.cfg.memory_budget_mib << 20
+        left = max(0, budget - sum(committed)) if budget > 0 else None
+        readings = await self.gpus.open_readings()
+        # A worker still starting has not taken its memory yet: count its plan as used.
+        starting = [(self.placements[k], f.needed_bytes) for k, h in self.handles.items()
+                    if h.state is WorkerState.STARTING and k in self.placements
+                    and (f := self.fits.get(k)) is not None]
+        readings = self.gpus.less_planned(readings, starting)
+        placed, decision = await asyncio.to_thread(
+            self.gpus.place_now, readings, lambda free: plan(free, "gpu"), left)
+        return decision, placed
+
+    async def fit_placed(self, entry: ModelEntry, settings: ModelSettings,
+                         explicit_ctx: bool, parallel: int, embedding: bool,
+                         draft: SpeculativePlan | None = None
+                         ) -> tuple[ContextDecision | None, GpuPlacement]:
+        """The fit and the devices of a new worker, evicting idle ones (and
+        waiting for busy ones) while it does not fit."""
         deadline = asyncio.get_running_loop().time() + self.cfg.load_wait_timeout
         while True:
-            committed = [f.needed_bytes for f in self.fits.values() if f is not None]
-            free, kind = await measure_free(self.cfg.memory_budget_mib << 20, committed)
             try:
-                # In a thread: it reads the headers of a shard set's further files.
-                decision = await asyncio.to_thread(
-                    plan_load, entry, settings, explicit_ctx=explicit_ctx, target_ctx=self.cfg.n_ctx,
-                    min_ctx=self.cfg.min_ctx, free_bytes=free, memory_kind=kind, slots=parallel,
-                    embedding=embedding)
+                decision, placed = await self._plan(entry, settings, explicit_ctx, parallel,
+                                                    embedding, draft)
                 # Idle models give way before layers go to the CPU; busy ones are not waited for.
                 if decision is not None and decision.partial_offload and await self.evict_lru(
                         f"evicted to make room for all layers of {entry.id}"):
                     continue
-                return decision
+                return decision, placed
             except DoesNotFit:
                 if await self.evict_lru(f"evicted to make room for {entry.id}"):
                     continue
@@ -107,6 +153,9 @@ class Room:
             return False
         _, key = min(idle)
         log.info("%s: stopping idle %s", reason, key[0])
+        placed, fit = self.placements.get(key), self.fits.get(key)
+        if self.gpus is not None and placed is not None and fit is not None:
+            await self.gpus.expect_freed([(placed, fit.needed_bytes)])
         await self.drop(key, reason)
         return True
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker.speculative import SpeculativeOptions
+
 
 @dataclass(frozen=True)
 class WorkerSpec:
@@ -16,11 +18,20 @@ class WorkerSpec:
     n_threads: int
     device: str = "cpu"
     cache_type: str = "f16"
-    draft_ngram: int = 0
+    # Speculative decoding as the worker runs it (mode, draft model path, lengths).
+    speculative: SpeculativeOptions = SpeculativeOptions()
     # Requests the worker runs at once (its engine slots).
     parallel: int = 1
     # The vision projector (mmproj) to load with the model, if the library links one.
     mmproj: Path | None = None
+    # GGUF LoRA adapters the worker holds, applied per request.
+    lora: tuple[Path, ...] = ()
+    # The lease devices the worker is placed on (all of them are booked), and
+    # the GPU indices it is pinned to (CUDA/HIP/ROCR_VISIBLE_DEVICES); None:
+    # not pinned (no GPU in the lease). A split gives each GPU its share.
+    devices: tuple[str, ...] = ()
+    gpu_indices: tuple[int, ...] | None = None
+    tensor_split: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

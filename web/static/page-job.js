@@ -48,6 +48,61 @@ const jobLink = (kind, params, text) => {
   return h('a', { class: 'next-step', href: `#/jobs?${q}`, text });
 };
 
+// "Try it": a fine-tune's adapter served on its base model, in the chat.
+// The adapter is exported to a GGUF LoRA adapter first unless it was; then
+// the chat opens with <base>:<adapter> once the model library links them.
+const TRY_WAIT_MS = 120000;
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+async function exportedAdapter(r, say) {
+  if (r.adapter_export?.adapter) return r.adapter_export.adapter;
+  if (r.adapter?.adapter) return r.adapter.adapter; // an export job of an adapter
+  const name = `${base(r.output_dir)}-lora`;
+  if (((await getJson('api/models')).adapters || []).some((a) => a.id === name)) return name; // exported before
+  say('Exporting the adapter…');
+  let job;
+  try {
+    job = await postJson('api/jobs', { kind: 'export', params: { model: r.adapter_path, output_name: name } });
+  } catch (err) {
+    if (err.code === 'output_exists') return name; // written, the library lists it soon
+    throw err;
+  }
+  for (const until = Date.now() + TRY_WAIT_MS; Date.now() < until; await sleep(500)) {
+    const now = await getJson(`api/jobs/${encodeURIComponent(job.id)}`);
+    if (now.status === 'succeeded') return now.result.adapter.adapter;
+    if (FINISHED.has(now.status)) throw new Error(`the adapter export ${now.status}: ${now.error || ''}`);
+  }
+  throw new Error('the adapter export is taking long; see the jobs page');
+}
+
+async function pairFor(adapterId, say) {
+  say('Waiting for the model library…');
+  for (const until = Date.now() + TRY_WAIT_MS; Date.now() < until; await sleep(500)) {
+    const body = await getJson('api/models');
+    const adapter = (body.adapters || []).find((a) => a.id === adapterId);
+    const link = adapter?.links.find((l) => l.fits);
+    if (link) return link.model;
+    if (adapter && !adapter.usable) throw new Error(adapter.reason);
+  }
+  throw new Error(`the library never listed adapter ${adapterId}`);
+}
+
+function tryItButton(r) {
+  const note = h('span', { class: 'small muted', role: 'status' });
+  const button = h('button', { type: 'button', class: 'primary', text: 'Try it', title: 'Serve the adapter on its base model and chat with it' });
+  button.addEventListener('click', async () => {
+    button.disabled = true;
+    try {
+      const pair = await pairFor(await exportedAdapter(r, (t) => { note.textContent = t; }), (t) => { note.textContent = t; });
+      window.location.hash = `#/chat?model=${encodeURIComponent(pair)}`;
+    } catch (err) {
+      replace(note, errorBox(err, 'Try it failed'));
+      button.disabled = false;
+    }
+  });
+  return h('span', { class: 'try-it' }, button, ' ', note);
+}
+
 // A person's reading of the result: what came out, and where to go next.
 export function resultSummary(job) {
   const r = job.result || {};
@@ -58,6 +113,9 @@ export function resultSummary(job) {
     if (r.input_bytes) lines.push(['Input size', `${formatBytes(r.input_bytes)} (now ${Math.round((100 * r.bytes) / r.input_bytes)}%)`]);
     if (r.seconds !== undefined) lines.push(['Took', formatDuration(r.seconds)]);
     if (r.model) next.push(chatLink(r.model));
+  } else if (job.kind === 'export' && r.adapter) {
+    lines.push(['Adapter', h('code', { text: r.adapter.adapter })], ['Rank', r.adapter.rank], ['Size', formatBytes(r.adapter.bytes)]);
+    next.push(tryItButton(r));
   } else if (job.kind === 'export') {
     const out = r.quantized || r.converted || {};
     lines.push(['Model', h('code', { text: r.model })]);
@@ -84,6 +142,8 @@ export function resultSummary(job) {
   } else if (job.kind === 'finetune') {
     if (r.output_dir) lines.push(['Output', h('code', { text: r.output_dir })]);
     if (r.adapter_path) lines.push(['Adapter', h('code', { text: base(r.adapter_path) })]);
+    if (r.adapter_export?.adapter) lines.push(['GGUF adapter', h('code', { text: r.adapter_export.adapter })]);
+    if (r.adapter_path) next.push(tryItButton(r));
     if (r.merged_path) { lines.push(['Merged model', h('code', { text: base(r.merged_path) })]); }
     if (r.export?.model) next.push(chatLink(r.export.model));
     else if (r.merged_path) next.push(jobLink('export', { model: r.merged_path }, 'Export to GGUF'));

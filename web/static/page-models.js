@@ -1,5 +1,6 @@
 // Models: the library with load/unload (with options) and load progress,
-// and a form that pulls a model from the Hub as a download job.
+// each model's LoRA adapters under it (served as <base>:<adapter>, or refused
+// with the reason), and a form that pulls a model from the Hub as a download job.
 import { ApiError, getJson, modelPath, postJson } from './api.js';
 import { badge, errorBox, formatBytes, h, progressBar, replace, safeId, stackTable } from './dom.js';
 import { SchemaForm } from './form.js';
@@ -44,6 +45,7 @@ export function mount(root) {
     h('div', { class: 'split' }, tableHost, h('div', { class: 'side' }, pullHost, downloadsHost)));
 
   let models = null;
+  let adapters = []; // /api/models "adapters": each with its candidate bases
   let openLoad = null; // id of the model whose load options are open
   const loadForms = new Map();
   const rowErrors = new Map();
@@ -127,7 +129,27 @@ export function mount(root) {
     if (openLoad === m.id && !loaded) {
       rows.push(h('tr', { class: 'load-options', id: optsId }, h('td', { colspan: 8 }, loadForm(m).el)));
     }
-    return rows;
+    return rows.concat(adapterRows(m));
+  }
+
+  // The adapters linked to a base, fitting (a model id of their own) or refused.
+  function adapterRows(m) {
+    const links = adapters.flatMap((a) => a.links.filter((l) => l.base === m.id).map((l) => [a, l]));
+    return links.map(([a, l]) => h('tr', { class: 'adapter-row', dataset: { adapter: l.model } },
+      h('td', { colspan: 6 }, h('span', { 'aria-hidden': 'true', text: '↳ ' }), h('code', { text: l.model }),
+        h('span', { class: 'small muted', text: ` LoRA adapter ${a.id}${a.rank ? ` · rank ${a.rank}` : ''} · ${formatBytes(a.size_bytes)}` }),
+        l.fits ? null : h('p', { class: 'small muted adapter-reason', text: `Refused: ${l.reason}` })),
+      h('td', {}, badge(l.fits ? m.state : 'unusable')),
+      h('td', { class: 'actions-cell' }, l.fits
+        ? h('a', { class: 'small', href: `#/chat?model=${encodeURIComponent(l.model)}`, text: 'Chat' }) : null)));
+  }
+
+  // Adapters that no model in the library is a candidate base for.
+  function orphans() {
+    const alone = adapters.filter((a) => !a.links.length);
+    return alone.length ? h('div', { class: 'orphan-adapters' }, h('h3', { text: 'Adapters without a base model' }),
+      h('ul', { class: 'plain' }, alone.map((a) => h('li', { dataset: { adapter: a.id } }, h('code', { text: a.id }),
+        h('span', { class: 'small muted', text: ` ${a.reason || ''}` }))))) : null;
   }
 
   function render() {
@@ -141,12 +163,14 @@ export function mount(root) {
     if (focused && tableHost.contains(focused) && focused.matches('input, select, textarea')) return;
     replace(tableHost, h('div', { class: 'table-wrap' }, stackTable(h('table', { class: 'models' },
       h('thead', {}, h('tr', {}, ['Model', 'Size', 'Quant', 'Architecture', 'Context', 'Capabilities', 'State', 'Actions'].map((t) => h('th', { scope: 'col', text: t })))),
-      h('tbody', {}, models.map(row))))));
+      h('tbody', {}, models.map(row)))), orphans()));
   }
 
   const poller = poll(async () => {
     try {
-      models = (await getJson('api/models')).data;
+      const body = await getJson('api/models');
+      models = body.data;
+      adapters = body.adapters || [];
       render();
     } catch (err) {
       if (models === null) replace(tableHost, errorBox(err, 'Could not list models'));

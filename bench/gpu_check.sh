@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# GPU check for gpuvisor on a machine with an NVIDIA GPU and no network.
+#
+# What it does: installs gpuvisor from the wheels folder beside this script
+# into a fresh virtual environment, runs a finetune job on CUDA through the
+# job runner, and, where the engine's CUDA build is installed, serves a model
+# on the GPU. It prints the placement, the job's CUDA_VISIBLE_DEVICES, the
+# real VRAM use against the estimate, and tokens/s (bench/gpu_check.py).
+#
+# Dependencies, decided: the machine brings torch, transformers and peft (the
+# venv sees them: --system-site-packages); everything else gpuvisor needs at
+# run time (msgspec, aiosqlite, gguf, watchfiles, xllamacpp, aiohttp, ...) is
+# installed from ./wheels with pip --no-index. The job runner and the server
+# import them, so they are installed, not avoided. ./wheels/cuda/, if present,
+# holds the engine's CUDA build (an xllamacpp wheel), installed over the CPU one.
+#
+# Build the bundle on a machine with network (same Python minor version and
+# platform as the GPU machine): `make gpu-check-bundle` writes
+# build/gpu_check/ = gpu_check.sh, gpu_check.py, tiny_hf.py, wheels/.
+#
+# Usage: gpu_check.sh [--cpu-dry-run] [--no-install] [-- ARGS for gpu_check.py]
+#   --cpu-dry-run  every step on the CPU, small sizes (checks the script itself)
+#   --no-install   use the current python (PYTHON, default python3) as it is
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PYTHON="${PYTHON:-python3}"
+DRY=0
+INSTALL=1
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --cpu-dry-run) DRY=1 ;;
+        --no-install) INSTALL=0 ;;
+        --) shift; break ;;
+        *) echo "unknown option: $1 (see the head of $0)" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+if [ "$INSTALL" = 1 ]; then
+    [ -d "$HERE/wheels" ] || { echo "no wheels folder at $HERE/wheels: run make gpu-check-bundle" >&2; exit 2; }
+    VENV="$(mktemp -d "${TMPDIR:-/tmp}/gvcheck-venv.XXXXXX")"
+    trap 'rm -rf "$VENV"' EXIT
+    "$PYTHON" -m venv --system-site-packages "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --no-index --find-links "$HERE/wheels" gpuvisor
+    if compgen -G "$HERE/wheels/cuda/xllamacpp-*.whl" > /dev/null; then
+        "$VENV/bin/python" -m pip install --quiet --no-index --no-deps --force-reinstall \
+            "$HERE"/wheels/cuda/xllamacpp-*.whl
+    fi
+    PYTHON="$VENV/bin/python"
+fi
+
+"$PYTHON" -c 'import torch, transformers, peft' \
+    || { echo "torch, transformers and peft must be installed on this machine" >&2; exit 2; }
+if [ "$DRY" = 1 ]; then
+    set -- --cpu-dry-run --steps 3 --hidden 64 --layers 2 --max-tokens 24 "$@"
+elif ! nvidia-smi -L > /dev/null 2>&1; then
+    echo "nvidia-smi finds no GPU (use --cpu-dry-run to check the script itself)" >&2
+    exit 2
+fi
+
+# Finetune child processes: one OpenMP thread each unless told otherwise.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+if [ -f "$HERE/../pyproject.toml" ] && [ -d "$HERE/../supervisor" ]; then
+    # In the repository: run as a module from its root (bench/ holds other modules).
+    cd "$HERE/.." && exec "$PYTHON" -m bench.gpu_check "$@"
+fi
+cd "$HERE" && exec "$PYTHON" "$HERE/gpu_check.py" "$@"

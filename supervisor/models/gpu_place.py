@@ -1,0 +1,113 @@
+"""Which GPUs a model goes on: one, the fewest that fit together, or partial offload.
+
+:func:`place` decides from per-GPU readings and a ``plan`` callback (the
+memory fit of :func:`supervisor.models.placement.plan_load` for a given
+amount of free memory):
+
+- the one GPU with the most free memory, if the model fits there with the
+  headroom (a share of its free memory kept back) and the same context it
+  would get on every GPU;
+- else the fewest GPUs (most free first) that fit together, with a tensor
+  split in proportion to their free memory;
+- else every GPU, with the layers that do not fit left on the CPU.
+
+Every GPU a worker uses holds its own runtime (CUDA context, workspaces):
+each GPU beyond the first costs one more runtime reserve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import msgspec
+
+from supervisor.models.devices import GpuReading
+from supervisor.models.memfit import ContextDecision, DoesNotFit
+
+DEFAULT_HEADROOM = 0.10
+PlacementMode = Literal["cpu", "single", "split", "offload"]
+# plan(free_bytes) -> the fit in that much memory; raises DoesNotFit.
+Plan = Callable[[int], ContextDecision | None]
+
+
+class GpuPlacement(msgspec.Struct, frozen=True, kw_only=True):
+    """The decision, with the numbers it was made from (shown in /api/models)."""
+
+    mode: PlacementMode
+    devices: list[str]  # lease device ids
+    indices: list[int] = []  # GPU indices: the worker's CUDA_VISIBLE_DEVICES
+    free_bytes: list[int] = []  # per chosen GPU, as read before the load
+    usable_bytes: int = 0  # what the memory fit was given (headroom and reserves off)
+    tensor_split: list[float] = []  # per chosen GPU; empty on one GPU
+    headroom: float = DEFAULT_HEADROOM
+    reason: str = ""
+
+
+def cpu_placement(reason: str = "no GPU: the model runs in RAM") -> GpuPlacement:
+    return GpuPlacement(mode="cpu", devices=["cpu"], headroom=0.0, reason=reason)
+
+
+def usable_bytes(readings: Sequence[GpuReading], headroom: float, extra_reserve: int) -> int:
+    """Free memory of ``readings`` less the headroom on each, less one more
+    runtime reserve per GPU beyond the first."""
+    total = sum(int(r.free_bytes * (1.0 - headroom)) for r in readings)
+    return max(0, total - extra_reserve * (len(readings) - 1))
+
+
+def tensor_split(readings: Sequence[GpuReading]) -> list[float]:
+    """Shares of the layers in proportion to free memory (empty for one GPU)."""
+    if len(readings) < 2:
+        return []
+    total = sum(r.free_bytes for r in readings) or 1
+    return [round(r.free_bytes / total, 4) for r in readings]
+
+
+def _most_free_first(readings: Sequence[GpuReading]) -> list[GpuReading]:
+    return sorted(readings, key=lambda r: (-r.free_bytes, r.index))
+
+
+def _placement(mode: PlacementMode, chosen: Sequence[GpuReading], usable: int, headroom: float,
+               reason: str) -> GpuPlacement:
+    return GpuPlacement(mode=mode, devices=[r.device_id for r in chosen],
+                        indices=[r.index for r in chosen],
+                        free_bytes=[r.free_bytes for r in chosen], usable_bytes=usable,
+                        tensor_split=tensor_split(chosen), headroom=headroom, reason=reason)
+
+
+def _fits(decision: ContextDecision | None, best: ContextDecision | None) -> bool:
+    if decision is None or best is None:
+        return True  # unknown sizes: nothing to compare, the worker reports the file
+    return not decision.partial_offload and decision.n_ctx >= best.n_ctx
+
+
+def place(readings: Sequence[GpuReading], *, headroom: float, extra_reserve: int,
+          plan: Plan) -> tuple[GpuPlacement, ContextDecision | None]:
+    """The GPUs to load on and the fit there; DoesNotFit when not even all of
+    them with the CPU can hold it. ``readings`` must not be empty."""
+    if not readings:
+        raise ValueError("place() needs at least one GPU reading")
+    ordered = _most_free_first(readings)
+    every = usable_bytes(ordered, headroom, extra_reserve)
+    best = plan(every)  # raises DoesNotFit: then nothing here can help
+    if best is not None and best.partial_offload:
+        return (_placement("offload", ordered, every, headroom,
+                           f"does not fit on the {len(ordered)} GPU(s) with {headroom:.0%} headroom: "
+                           "layers that do not fit stay in RAM"), best)
+    for k in range(1, len(ordered)):
+        chosen = ordered[:k]
+        usable = usable_bytes(chosen, headroom, extra_reserve)
+        try:
+            decision = plan(usable)
+        except DoesNotFit:
+            continue
+        if _fits(decision, best):
+            mode: PlacementMode = "single" if k == 1 else "split"
+            why = (f"fits on cuda:{chosen[0].index}, the GPU with the most free memory, "
+                   f"with {headroom:.0%} headroom" if k == 1 else
+                   f"fits on the {k} GPUs with the most free memory, split by free memory")
+            return _placement(mode, chosen, usable, headroom, why), decision
+    mode = "single" if len(ordered) == 1 else "split"
+    why = (f"fits on cuda:{ordered[0].index} with {headroom:.0%} headroom" if len(ordered) == 1
+           else f"needs all {len(ordered)} GPUs, split by free memory")
+    return _placement(mode, ordered, every, headroom, why), best

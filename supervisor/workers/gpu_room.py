@@ -1,0 +1,133 @@
+"""Room on the GPUs: per-GPU readings, the placement of a load, the settle wait.
+
+``GpuRoom`` is the pool's view of the GPUs the lease manages. Before it
+measures for a placement it waits for memory that an eviction or a job's end
+should give back (supervisor/models/settle.py); it then places the load on
+the GPUs model workers may use now (supervisor/models/gpu_place.py). With no
+GPU in the lease the pool keeps its plain path: free RAM (or all visible GPU
+memory as one) through supervisor/models/placement.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+
+from supervisor.errors import DeviceBusy, Unavailable
+from supervisor.models.devices import DeviceReadError, GpuReading
+from supervisor.models.gpu_place import (
+    DEFAULT_HEADROOM,
+    GpuPlacement,
+    Plan,
+    place,
+    usable_bytes,
+)
+from supervisor.models.memfit import ContextDecision
+from supervisor.models.placement import GPU_RUNTIME_RESERVE
+from supervisor.models.settle import Settler
+from supervisor.workers.handle import WorkerHandle
+
+Admission = Callable[[str], str | None]
+
+
+class Bookings(Protocol):
+    """The lease's record of which devices each model worker is placed on."""
+
+    def book_worker(self, key: str, devices: Sequence[str]) -> None: ...
+
+    def unbook_worker(self, key: str) -> None: ...
+
+
+def booking_key(key: tuple[str, bool]) -> str:
+    return f"{key[0]} (embedding)" if key[1] else key[0]
+
+
+def handle_key(h: WorkerHandle) -> tuple[str, bool]:
+    return (h.spec.model_id, h.spec.embedding)
+
+
+def worker_devices(h: WorkerHandle) -> list[str]:
+    """The lease devices a worker is placed on."""
+    return list(h.spec.devices) or [h.spec.device]
+
+
+@dataclass
+class GpuRoom:
+    """The lease's GPU devices as the pool places on them."""
+
+    settler: Settler
+    devices: Sequence[str]  # the lease's device ids; only ``cuda:N`` ones are GPUs
+    admission: Admission
+    headroom: float = DEFAULT_HEADROOM
+
+    def gpu_devices(self) -> list[str]:
+        return [d for d in self.devices if d.startswith("cuda:")]
+
+    def enabled(self) -> bool:
+        return bool(self.gpu_devices())
+
+    async def readings(self) -> list[GpuReading]:
+        """The lease's GPUs as the driver reports them, once freed memory is back."""
+        ours = set(self.gpu_devices())
+        try:
+            await self.settler.wait()
+            return [r for r in await self.settler.read() if r.device_id in ours]
+        except DeviceReadError as exc:
+            # No placement without readings; a driver hiccup is worth a retry.
+            raise Unavailable(f"cannot read the GPUs: {exc}", retry_after=5, code="gpu_unreadable") from exc
+
+    async def open_readings(self) -> list[GpuReading]:
+        """The GPUs model workers may use now; 503 naming the holder when none."""
+        readings = await self.readings()
+        refused = {r.device_id: self.admission(r.device_id) for r in readings}
+        open_ = [r for r in readings if refused[r.device_id] is None]
+        if not open_:
+            why = next((w for w in refused.values() if w), "no GPU of the lease is reported by the driver")
+            raise DeviceBusy(why)
+        return open_
+
+    async def ceiling(self, budget_bytes: int) -> int:
+        """All GPU memory (less headroom and reserves), capped by the budget."""
+        readings = await self.readings()
+        total = [GpuReading(index=r.index, uuid=r.uuid, name=r.name, free_bytes=r.total_bytes,
+                            total_bytes=r.total_bytes) for r in readings]
+        ceiling = usable_bytes(total, self.headroom, GPU_RUNTIME_RESERVE)
+        return min(ceiling, budget_bytes) if budget_bytes > 0 else ceiling
+
+    def place_now(self, readings: Sequence[GpuReading], plan: Plan,
+                  budget_left: int | None) -> tuple[GpuPlacement, ContextDecision | None]:
+        """Where the load goes on ``readings``; ``budget_left`` caps the memory of
+        any choice. Blocking (the plan may read a shard set's headers): in a thread."""
+
+        def capped(free: int) -> ContextDecision | None:
+            return plan(free if budget_left is None else min(free, budget_left))
+
+        return place(readings, headroom=self.headroom, extra_reserve=GPU_RUNTIME_RESERVE, plan=capped)
+
+    @staticmethod
+    def less_planned(readings: Sequence[GpuReading],
+                     planned: Sequence[tuple[GpuPlacement, int]]) -> list[GpuReading]:
+        """``readings`` with the planned bytes of these placements taken off."""
+        used = per_gpu(planned)
+        return [msgspec.structs.replace(r, free_bytes=max(0, r.free_bytes - used.get(r.index, 0)))
+                for r in readings]
+
+    async def expect_freed(self, victims: Sequence[tuple[GpuPlacement, int]]) -> None:
+        """Workers on these placements (with the bytes each was planned to use)
+        are about to stop: the settle wait will look for that memory."""
+        freed = per_gpu(victims)
+        if freed:
+            before = await self.settler.read()
+            self.settler.expect_freed(before, freed)
+
+
+def per_gpu(planned: Sequence[tuple[GpuPlacement, int]]) -> dict[int, int]:
+    """Planned bytes per GPU index, a split placement's shared by its split."""
+    out: dict[int, int] = {}
+    for placed, needed in planned:
+        for index, share in zip(placed.indices, placed.tensor_split or [1.0], strict=False):
+            out[index] = out.get(index, 0) + int(needed * share)
+    return out
