@@ -16,7 +16,7 @@ ENGINE_INDEX ?=
 .PHONY: serve test install install-train bench clean gpu-check-bundle
 
 # setuptools warns on every editable install that folders named like the
-# package may shadow it: that is the point of one here, so the notice goes.
+# package may shadow it; here they are the package's source, so it is noise.
 EDITABLE = PYTHONWARNINGS='ignore:Editable installation'
 
 $(STAMP): pyproject.toml

@@ -29,7 +29,8 @@ from jobs.finetune import build_trainer
 from jobs.finetune_loop import NoHooks, StepStats
 from jobs.finetune_params import ExportOptions, FinetuneParams
 from jobs.hf_convert import convert
-from jobs.params import ResolveContext, validate_params
+from jobs.kinds import validate_params
+from jobs.params import ResolveContext
 from tests.jobsupport import running_lab, wait_finished
 from tests.tiny_hf import build_tiny_model, copy_model, write_chat_dataset
 

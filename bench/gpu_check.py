@@ -35,7 +35,8 @@ from typing import Any
 import aiohttp
 import psutil
 
-from jobs.params import ResolveContext, Roots, validate_params
+from jobs.kinds import validate_params
+from jobs.params import ResolveContext, Roots
 from supervisor.db import Database
 from supervisor.lab.gpu_setup import build_lease
 from supervisor.lab.runner import JobRunner, RunnerSettings

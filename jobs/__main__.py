@@ -28,7 +28,8 @@ from jobs.context import (
     JobStopped,
 )
 from jobs.events import JobIO
-from jobs.params import JobParams, job_kinds
+from jobs.kinds import job_kinds
+from jobs.params import JobParams
 
 
 class JobModule(Protocol):

@@ -1,9 +1,10 @@
-"""Job kinds and their parameters, validated in the parent at submit time.
+"""Job parameters, validated in the parent at submit time: the shared base
+(:class:`JobParams`, path resolution, device choice) and the structs of the
+kinds without a module of their own. The registry of kinds is
+:mod:`jobs.kinds`.
 
 This module is imported by the parent, so it (and every params struct) must
-never import llama_cpp or torch. The kind registry maps a kind name to its
-params struct and the module that runs it in the job process; adding a kind
-is one :class:`KindSpec` entry in :func:`job_kinds`.
+never import llama_cpp or torch.
 
 Paths in params are resolved here, in the parent: every path must resolve
 (symlinks followed) inside one of the configured roots, else 400. The stored
@@ -12,17 +13,15 @@ params carry the resolved absolute paths, so the job process trusts them.
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 
-from jobs.errors import ParamError, unknown_field, validation_param
+from jobs.errors import ParamError
 
 ModelLookup = Callable[[str], Path | None]
 # An output name is one plain file name: no directories, no hidden files.
@@ -212,80 +211,3 @@ class SleepParams(JobParams, DeviceChoice):
 
     def devices(self, available: Sequence[str]) -> list[str]:
         return self.pick(available) if self.use_device else []
-
-
-@dataclass(frozen=True)
-class KindSpec:
-    name: str
-    params: type[JobParams]
-    # Module run as the job process (imported only there).
-    module: str
-    description: str
-    grace_s: float = 30.0
-    # Saves a checkpoint when stopped with save (SIGUSR1) and can be resumed.
-    resumable: bool = False
-    # Offered by the API only with the test_job_kinds setting.
-    test_only: bool = False
-    # Runs only with the ``train`` extra installed (torch, transformers, peft).
-    needs_train: bool = False
-
-
-@functools.cache
-def job_kinds(include_test: bool = False) -> Mapping[str, KindSpec]:
-    """The kinds the API offers; ``include_test`` adds the test-only ones.
-
-    The runner and the job process know every kind (``include_test=True``):
-    a job stored while the setting was on still runs and reports.
-    """
-    # Imported here: download_params imports JobParams from this module.
-    from jobs.download_params import DownloadParams
-    from jobs.finetune_params import ExportParams, FinetuneParams
-
-    specs = [
-        KindSpec("download", DownloadParams, "jobs.download", "download a model from the Hub"),
-        KindSpec(
-            "finetune", FinetuneParams, "jobs.finetune", "LoRA fine-tune a Hugging Face model",
-            grace_s=120.0, resumable=True, needs_train=True,
-        ),
-        KindSpec("export", ExportParams, "jobs.export", "convert a Hugging Face model to GGUF"),
-        KindSpec("dataset", DatasetParams, "jobs.dataset", "convert a dataset to chat JSONL"),
-        KindSpec("quantize", QuantizeParams, "jobs.quantize", "quantize a GGUF model"),
-        KindSpec("sleep", SleepParams, "jobs.sleep", "a cheap test job", grace_s=10.0, test_only=True),
-    ]
-    return MappingProxyType({s.name: s for s in specs if include_test or not s.test_only})
-
-
-def kind_spec(kind: str, *, include_test: bool = True) -> KindSpec:
-    kinds = job_kinds(include_test)
-    try:
-        return kinds[kind]
-    except KeyError:
-        raise ParamError(
-            f"unknown job kind {kind!r}; known: {', '.join(sorted(kinds))}", param="kind"
-        ) from None
-
-
-def decode_params(kind: str, raw: Mapping[str, Any], *, include_test: bool = True) -> JobParams:
-    """Convert raw params to the kind's struct (no path resolution)."""
-    spec = kind_spec(kind, include_test=include_test)
-    try:
-        return msgspec.convert(dict(raw), spec.params)
-    except msgspec.ValidationError as exc:
-        at = validation_param(exc)
-        field = at if at is not None else unknown_field(exc)
-        param = f"params.{field}" if field else "params"
-        raise ParamError(f"invalid params for {kind}: {exc}", param=param) from exc
-
-
-def validate_params(kind: str, raw: Mapping[str, Any], ctx: ResolveContext) -> JobParams:
-    """Decode and resolve; the result is what gets stored and run. Test-only
-    kinds are unknown here unless ``ctx.test_kinds``."""
-    params = decode_params(kind, raw, include_test=ctx.test_kinds)
-    params.resolve(ctx)
-    return params
-
-
-def params_dict(params: JobParams) -> dict[str, Any]:
-    out = msgspec.to_builtins(params)
-    assert isinstance(out, dict)
-    return out

@@ -11,7 +11,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from jobs.params import ResolveContext, validate_params
+from jobs.kinds import validate_params
+from jobs.params import ResolveContext
 from tests.jobsupport import running_lab, wait_finished
 from tests.tiny_hf import copy_model, write_chat_dataset
 

@@ -26,7 +26,8 @@ pytest.importorskip("transformers", reason="needs the train extra")
 from jobs.context import JobError
 from jobs.errors import ParamError
 from jobs.hf_convert import OutType, convert
-from jobs.params import ResolveContext, validate_params
+from jobs.kinds import validate_params
+from jobs.params import ResolveContext
 from tests.jobsupport import make_roots, running_lab, wait_finished
 from tests.tiny_hf import build_tiny_model, copy_model
 

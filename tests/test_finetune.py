@@ -20,7 +20,8 @@ from jobs.context import JobError
 from jobs.errors import ParamError
 from jobs.finetune_ckpt import complete_checkpoints, newest_checkpoint
 from jobs.finetune_params import FinetuneParams
-from jobs.params import ResolveContext, validate_params
+from jobs.kinds import validate_params
+from jobs.params import ResolveContext
 from supervisor.errors import BadRequest, Conflict
 from tests.jobsupport import Lab, running_lab, wait_finished, wait_for
 from tests.tiny_hf import build_tiny_model, copy_model, write_chat_dataset

@@ -396,7 +396,7 @@ def _inside(value: str, roots: list[Path]) -> bool:
 
 
 def test_path_traversal_in_every_job_param(fuzz_server: Server) -> None:
-    from jobs.params import job_kinds
+    from jobs.kinds import job_kinds
 
     srv = fuzz_server
     roots = [srv.models_dir, srv.state_dir / "models", srv.state_dir / "datasets", srv.state_dir / "outputs"]

@@ -17,7 +17,8 @@ from typing import Any
 import psutil
 import pytest
 
-from jobs.params import ResolveContext, validate_params
+from jobs.kinds import validate_params
+from jobs.params import ResolveContext
 from supervisor.app import timing_from
 from supervisor.config import Config
 from supervisor.lab.gpu_setup import gpu_room

@@ -14,14 +14,8 @@ from typing import Any
 import pytest
 
 from jobs.errors import ParamError
-from jobs.params import (
-    DatasetParams,
-    QuantizeParams,
-    ResolveContext,
-    Roots,
-    params_dict,
-    validate_params,
-)
+from jobs.kinds import params_dict, validate_params
+from jobs.params import DatasetParams, QuantizeParams, ResolveContext, Roots
 from supervisor.models.demo import write_tiny_gguf
 from tests.jobsupport import make_roots, running_lab, wait_finished
 from tests.quantize_ref import generated_tokens

@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from jobs.params import job_kinds
+from jobs.kinds import job_kinds
 from supervisor.api import schema as routes_schema
 from supervisor.api.datasets import _dataset_files
 from supervisor.api.io import error_response

@@ -19,8 +19,9 @@ pytest.importorskip("peft", reason="needs the train extra")
 from jobs.context import JobError
 from jobs.errors import ParamError
 from jobs.hf_convert import convert
+from jobs.kinds import validate_params
 from jobs.lora_export import convert_adapter
-from jobs.params import ResolveContext, validate_params
+from jobs.params import ResolveContext
 from supervisor.config import ModelSettings
 from supervisor.models.library import ModelEntry, ModelLibrary
 from supervisor.models.placement import plan_load

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from jobs.params import job_kinds
+from jobs.kinds import job_kinds
 from supervisor.api import openapi
 from supervisor.api.openai_types import ChatRequest
 from supervisor.app import build_app

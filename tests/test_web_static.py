@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from jobs.params import job_kinds
+from jobs.kinds import job_kinds
 from supervisor.api import web as routes_web
 from supervisor.api.web import AssetTable
 from supervisor.app import error_middleware

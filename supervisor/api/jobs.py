@@ -22,7 +22,8 @@ import msgspec
 from aiohttp import web
 
 from jobs.errors import ParamError
-from jobs.params import ModelLookup, ResolveContext, Roots, validate_params
+from jobs.kinds import validate_params
+from jobs.params import ModelLookup, ResolveContext, Roots
 from supervisor.api import datasets
 from supervisor.api.auth import key_id_of
 from supervisor.api.io import (

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 
-from jobs.params import job_kinds
+from jobs.kinds import job_kinds
 from supervisor.api.jobs import CancelBody, SubmitBody
 from supervisor.api.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
 from supervisor.appkeys import OPENAPI_DOCUMENT
@@ -248,11 +248,17 @@ def _parameters(op: Operation) -> list[dict[str, Any]]:
     return out
 
 
+# Before OpenAPI 3.2 an event stream's schema describes each event, as
+# clients parse it: its fields (data, event, id, retry), not the raw text.
+_SSE_EVENT = {"type": "object", "properties": {
+    "data": _STR, "event": _STR, "id": _STR, "retry": {"type": "integer", "minimum": 0}}}
+_MEDIA_SCHEMAS: dict[str, dict[str, Any]] = {JSON: {"type": "object"}, SSE: _SSE_EVENT}
+
+
 def _responses(op: Operation, error_ref: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {str(op.ok): {"description": STATUS_TEXT[op.ok]}}
     if op.ok not in _NO_BODY:
-        out[str(op.ok)]["content"] = {
-            m: {"schema": {"type": "object"} if m == JSON else {"type": "string"}} for m in op.media}
+        out[str(op.ok)]["content"] = {m: {"schema": _MEDIA_SCHEMAS.get(m, _STR)} for m in op.media}
     for status in op.errors:
         if status in _NO_BODY:
             out[str(status)] = {"description": STATUS_TEXT[status]}

@@ -1,8 +1,8 @@
 """``GET /api/jobs/schema``: the JSON Schema of each job kind's params.
 
 The web UI builds its submit forms from this, so a form offers exactly the
-fields, types, defaults and bounds that :func:`jobs.params.validate_params`
-enforces, and a kind added to :func:`jobs.params.job_kinds` gets a form
+fields, types, defaults and bounds that :func:`jobs.kinds.validate_params`
+enforces, and a kind added to :func:`jobs.kinds.job_kinds` gets a form
 without any UI change. Each kind says whether it can run here
 (``available``, ``unavailable_reason``) so the UI explains before submit.
 """
@@ -16,7 +16,7 @@ import msgspec
 from aiohttp import web
 
 from jobs.finetune_params import missing_train_modules, train_missing_reason
-from jobs.params import KindSpec, job_kinds
+from jobs.kinds import KindSpec, job_kinds
 from supervisor.api.io import json_response
 from supervisor.appkeys import JOB_SCHEMA_ROUTES, JOB_SETTINGS
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Literal
 
 from jobs.events import Done, Failed
-from jobs.params import KindSpec, Roots
+from jobs.kinds import KindSpec
+from jobs.params import Roots
 from supervisor.lab.job_schema import DEFAULT_RETENTION_S, Job
 
 StopReason = Literal["cancel", "shutdown", "heartbeat"]

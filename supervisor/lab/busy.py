@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobs.errors import ParamError
-from jobs.params import decode_params
+from jobs.kinds import decode_params
 from supervisor.errors import BusyJob, NotFound, TooManyWaiting
 from supervisor.lab.lease import GpuLease
 from supervisor.lab.store import JobStore

@@ -30,7 +30,8 @@ import msgspec
 
 from jobs.errors import ParamError
 from jobs.events import Done, Failed
-from jobs.params import JobParams, KindSpec, kind_spec, params_dict
+from jobs.kinds import KindSpec, kind_spec, params_dict
+from jobs.params import JobParams
 from supervisor.errors import ApiError, BadRequest, StorageFull, param_error
 from supervisor.lab.active import ActiveJob, RunnerSettings, StopReason
 from supervisor.lab.job_exec import JobExecution, SpawnFailed
