@@ -16,8 +16,8 @@ from typing import Any
 
 import xllamacpp
 
-from worker.engine import PREFILL_BATCH, EngineOptions
-from worker.engine import engine_params as worker_engine_params
+from worker.engine_params import PREFILL_BATCH, EngineOptions
+from worker.engine_params import engine_params as worker_engine_params
 
 __all__ = ["PREFILL_BATCH", "engine_params"]
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from tests.tiny_vision import png, write_tiny_mmproj, write_tiny_text_model
 from worker import protocol as p
-from worker.engine import Engine, EngineOptions
+from worker.engine import Engine
+from worker.engine_params import EngineOptions
 
 
 def _run(engine: Engine, req: p.Generate) -> p.Done:

@@ -35,7 +35,7 @@ N_CTX, SLOTS = 1024, 2
 _LOAD = r"""
 import os, sys
 import xllamacpp
-from worker.engine import EngineOptions, engine_params
+from worker.engine_params import EngineOptions, engine_params
 from worker.speculative import SpeculativeOptions
 model, mode, draft, sock = sys.argv[1:5]
 opts = EngineOptions(model, 1024, -1, 2, False, speculative=SpeculativeOptions(mode, draft, 0, 4),

@@ -1,7 +1,7 @@
 """memfit's estimates against what the engine itself allocates.
 
 Each case loads a tiny model in llama.cpp's server engine, in a subprocess,
-with the worker's own engine settings (``worker.engine.engine_params``), and reads
+with the worker's own engine settings (``worker.engine_params.engine_params``), and reads
 the sizes the engine logs while it builds the context: one KV cache line per
 cache (a sliding-window model has two, full and windowed) and one compute
 buffer line per backend. The engine prints MiB with two decimals, so the KV
@@ -45,7 +45,7 @@ _LOAD = r"""
 import os
 import sys
 import xllamacpp
-from worker.engine import EngineOptions, engine_params
+from worker.engine_params import EngineOptions, engine_params
 
 path, n_ctx, parallel, cache, embedding, sock = sys.argv[1:7]
 opts = EngineOptions(path, int(n_ctx), -1, 2, embedding == "1", cache,

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from worker import speculative
-from worker.engine import EngineOptions
+from worker.engine_params import EngineOptions
 from worker.server import run
 
 

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 
 from worker import protocol as p
-from worker.engine import Engine, EngineOptions, LoadError
+from worker.engine import Engine, LoadError
+from worker.engine_params import EngineOptions
 
 log = logging.getLogger("gpuvisor.worker")
 

@@ -1,0 +1,121 @@
+"""The engine's settings for one worker: ``xllamacpp.CommonParams`` from the
+worker's options (context per slot, cache types, layers and their split over
+GPUs, the projector, speculative decoding, LoRA adapters).
+
+Apart from the engine itself so that the memory fit's tests and the
+benchmarks build exactly the settings a worker runs with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import xllamacpp
+
+from worker.adapters import AdapterSet
+from worker.speculative import SpeculativeOptions
+
+CACHE_TYPES = {
+    "f16": xllamacpp.ggml_type.GGML_TYPE_F16,
+    "q8_0": xllamacpp.ggml_type.GGML_TYPE_Q8_0,
+    "q4_0": xllamacpp.ggml_type.GGML_TYPE_Q4_0,
+}
+# Prompt tokens evaluated per engine step. The engine reports prefill progress
+# once per step, and that report is the only point where a cancel is seen
+# during a long prefill; by then it has begun the next step, so a cancelled
+# prefill runs on for up to two of them (measured: bench/engine.py).
+PREFILL_BATCH = 512
+
+
+@dataclass
+class EngineOptions:
+    model_path: str
+    n_ctx: int
+    n_gpu_layers: int
+    n_threads: int
+    embedding: bool
+    cache_type: str = "f16"
+    # Speculative decoding: mode, draft model and draft lengths (worker/speculative.py).
+    speculative: SpeculativeOptions = SpeculativeOptions()
+    # Generations run at once, each in its own slot of n_ctx tokens.
+    parallel: int = 1
+    # Where the engine's own HTTP listener binds (a Unix socket, never TCP).
+    engine_socket: str = ""
+    # The model's image projector (mmproj GGUF); "" = text only.
+    mmproj: str = ""
+    # GGUF LoRA adapters to hold, applied per request (worker/adapters.py).
+    lora: list[str] = field(default_factory=list)
+    # Shares of the layers per visible GPU (a split over several); empty: one GPU.
+    tensor_split: tuple[float, ...] = ()
+
+
+# The engine's tensor_split is a fixed array: one share per possible device.
+ENGINE_MAX_DEVICES = 128
+
+
+def apply_tensor_split(p: xllamacpp.CommonParams, shares: tuple[float, ...]) -> None:
+    """Split the layers over the visible GPUs in these shares (whole layers per GPU)."""
+    if len(shares) < 2:
+        return
+    if len(shares) > ENGINE_MAX_DEVICES:
+        raise ValueError(f"tensor split over {len(shares)} GPUs; the engine takes {ENGINE_MAX_DEVICES}")
+    p.tensor_split = [*shares, *([0.0] * (ENGINE_MAX_DEVICES - len(shares)))]
+    p.split_mode = xllamacpp.llama_split_mode.LLAMA_SPLIT_MODE_LAYER
+
+
+def engine_params(opts: EngineOptions, mmproj: str = "",
+                  adapters: AdapterSet | None = None) -> xllamacpp.CommonParams:
+    p = xllamacpp.CommonParams()
+    p.model.path = opts.model_path
+    parallel = max(1, opts.parallel)
+    # Every slot gets the full per-request context (as Ollama does): the
+    # engine splits n_ctx evenly among slots, and memfit counts all of them.
+    p.n_parallel = parallel
+    p.n_ctx = opts.n_ctx * parallel
+    # Embeddings of several inputs in one batch came out wrong with per-slot
+    # caches (measured: xllamacpp 2026.10, mean pooling); a unified cache
+    # gives the same vectors as one input at a time.
+    p.kv_unified = opts.embedding
+    # Fitting is ours (memfit): the engine must not change n_ctx or layers.
+    p.fit_params = False
+    # Sliding-window layers keep only their window, as memfit assumes.
+    p.swa_full = False
+    p.ctx_shift = False
+    p.n_gpu_layers = opts.n_gpu_layers
+    apply_tensor_split(p, opts.tensor_split)
+    p.n_batch = PREFILL_BATCH
+    p.n_ubatch = PREFILL_BATCH
+    p.warmup = False
+    p.n_threads_http = 2
+    # We render prompts ourselves; the engine's own Jinja parse of the model's
+    # template refuses some real templates at load, and would fail the model.
+    p.use_jinja = False
+    p.chat_template = "chatml"
+    if opts.n_threads > 0:
+        p.cpuparams.n_threads = opts.n_threads
+        p.cpuparams_batch.n_threads = opts.n_threads
+    if opts.embedding:
+        p.embedding = True
+        p.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
+    if opts.cache_type != "f16":
+        p.cache_type_k = CACHE_TYPES[opts.cache_type]
+        p.cache_type_v = CACHE_TYPES[opts.cache_type]
+    # Flash attention always (a quantized V cache needs it anyway). "Auto"
+    # turns it off for the whole model when a layer's attention lands on
+    # another device than the layer (partial offload, or a head size without
+    # a GPU kernel); the compute buffer then grows by a layer's attention
+    # scores, which memfit does not plan for. Forced on, such an op just runs
+    # on the device that has the kernel.
+    p.flash_attn_type = xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    opts.speculative.apply(p, opts.n_gpu_layers)
+    p.hostnames = [opts.engine_socket]
+    if mmproj:
+        p.mmproj.path = mmproj
+        # A CPU-only model keeps its projector on the CPU too.
+        p.mmproj_use_gpu = opts.n_gpu_layers != 0
+        # Requests with images stream over the listener, one HTTP thread
+        # each for their whole generation, beside tokenize calls.
+        p.n_threads_http = 2 + max(1, opts.parallel)
+    if adapters is not None:
+        adapters.configure(p)
+    return p
