@@ -247,3 +247,18 @@ async def test_store_reopens_cleanly(tmp_path: Path) -> None:
         assert await store.db.user_version() == len(JOBS_MIGRATIONS)
     async with open_store(tmp_path / "db.sqlite") as store:
         assert await store.db.integrity_ok()
+
+
+async def test_prune_once_at_an_injected_time(tmp_path: Path) -> None:
+    async with running_lab(tmp_path) as lab:
+        from jobs.params import SleepParams
+
+        job, _ = await lab.runner.submit("sleep", SleepParams(steps=1, step_seconds=0.0))
+        done = await wait_finished(lab.store, job.id)
+        assert done.status == "succeeded" and done.log_path and done.finished_at is not None
+        retention = lab.runner.settings.retention_s
+        # Within the retention nothing goes; past it the job and its log do, without sleeping.
+        assert await lab.runner.prune_once(now=done.finished_at + retention - 1) == []
+        assert Path(done.log_path).exists()
+        assert await lab.runner.prune_once(now=done.finished_at + retention + 1) == [job.id]
+        assert not Path(done.log_path).exists()

@@ -212,12 +212,19 @@ class JobRunner:
             active.killer.cancel()
         self.wake()
 
+    async def prune_once(self, now: float | None = None) -> list[str]:
+        """Delete finished jobs past the retention at ``now`` (default: the
+        store's clock) with their log files; the ids deleted."""
+        pruned = await self.store.prune(self.settings.retention_s, now)
+        for job in pruned:
+            if job.log_path:
+                Path(job.log_path).unlink(missing_ok=True)
+        return [job.id for job in pruned]
+
     async def _prune_loop(self) -> None:
         while True:
             try:
-                for job in await self.store.prune(self.settings.retention_s):
-                    if job.log_path:
-                        Path(job.log_path).unlink(missing_ok=True)
+                await self.prune_once()
             except (OSError, ApiError) as exc:
                 log.error("pruning old jobs: %s", exc)
             await asyncio.sleep(self.settings.prune_interval_s)

@@ -353,12 +353,13 @@ class JobStore:
             raise Conflict(f"job {job_id} is {job.status}; cancel it before deleting")
         return row_job(row)
 
-    async def prune(self, retention_s: float = DEFAULT_RETENTION_S) -> list[Job]:
-        """Delete finished jobs (and their events) older than the retention.
+    async def prune(self, retention_s: float = DEFAULT_RETENTION_S, now: float | None = None) -> list[Job]:
+        """Delete finished jobs (and their events) older than the retention
+        at ``now`` (default: the store's clock).
 
         Output files are never touched; the caller may remove the log files.
         """
-        cutoff = self.clock() - retention_s
+        cutoff = (self.clock() if now is None else now) - retention_s
         async with self.db.write() as conn:
             rows = await conn.execute_fetchall(
                 "DELETE FROM jobs WHERE status NOT IN ('queued','running') AND finished_at < ? "

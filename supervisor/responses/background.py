@@ -114,8 +114,9 @@ class BackgroundTasks:
 
     # ------------------------------------------------------------- retention
 
-    async def prune_once(self) -> int:
-        removed = await self._store.prune(self._clock() - self._retention_s)
+    async def prune_once(self, now: float | None = None) -> int:
+        """Delete finished responses past the retention at ``now`` (default: the clock)."""
+        removed = await self._store.prune((self._clock() if now is None else now) - self._retention_s)
         if removed:
             log.info("pruned %d stored responses older than the retention period", removed)
         return removed
