@@ -6,40 +6,28 @@ The pool decides nothing about the GPU by itself: before admitting a request
 it asks the lease (``admission``) whether model workers may run on the
 worker's devices; a new worker is placed on the GPUs no job holds
 (supervisor/workers/gpu_room.py) and booked on them in the lease.
+
+What a load asks of a worker is worked out in supervisor/workers/launch_spec.py,
+how a request is queued on one in supervisor/workers/submit.py, and what the
+pool shows of its workers in supervisor/workers/views.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-import msgspec
-
-from supervisor.config import (
-    DEFAULT_PARALLEL_CPU,
-    DEFAULT_PARALLEL_GPU,
-    ModelSettings,
-    parse_duration,
-)
-from supervisor.errors import (
-    ApiError,
-    BadRequest,
-    DeviceBusy,
-    ModelFailed,
-    ModelNotFound,
-    Unavailable,
-)
+from supervisor.config import ModelSettings, parse_duration
+from supervisor.errors import ApiError, DeviceBusy, ModelNotFound
 from supervisor.models.draft import SpeculativePlan, plan_speculative
 from supervisor.models.gpu_place import GpuPlacement
 from supervisor.models.library import ModelEntry
 from supervisor.models.memfit import ContextDecision
-from supervisor.models.placement import FALLBACK_CTX
 from supervisor.models.source import LibrarySource
-from supervisor.workers import adapter_route
+from supervisor.workers import adapter_route, launch_spec, submit, views
 from supervisor.workers.drafting import SpeculativeBook
 from supervisor.workers.gpu_room import (
     Bookings,
@@ -48,15 +36,17 @@ from supervisor.workers.gpu_room import (
     handle_key,
     worker_devices,
 )
-from supervisor.workers.handle import NotAccepting, WorkerHandle, WorkerState
+from supervisor.workers.handle import WorkerHandle, WorkerState
 from supervisor.workers.poison import PoisonTracker, fingerprint
-from supervisor.workers.queue import Pending, QueueFull, WorkerGone
+from supervisor.workers.queue import Pending, WorkerGone
 from supervisor.workers.replies import Generation, as_api_error
 from supervisor.workers.room import Room
-from supervisor.workers.spec import Timing, WorkerSpec
+from supervisor.workers.spec import Timing
+from supervisor.workers.views import describe
 from worker import protocol as p
 
-# Generation: the routes stream an admitted completion through it.
+# Generation: the routes stream an admitted completion through it; describe
+# (supervisor/workers/views.py) stays importable from here.
 __all__ = ["Generation", "PoolConfig", "WorkerPool", "describe"]
 
 log = logging.getLogger("gpuvisor.pool")
@@ -146,8 +136,7 @@ class WorkerPool:
             if entry is None:
                 raise ModelNotFound(f"model '{model_id}' does not exist", param="model")
             plan = await self._plan_speculative(entry, settings, embedding)
-            if handle is not None and handle.state is not WorkerState.FAILED and self._unchanged(
-                    handle, entry, options, settings) and handle.spec.speculative == plan.options:
+            if handle is not None and self._reusable(handle, entry, options, settings, plan):
                 handle.keep_alive = parse_duration(settings.keep_alive or 0)
                 return handle
             # A context set for this model in the config is as explicit as one in a load body.
@@ -174,24 +163,16 @@ class WorkerPool:
             self.speculative.planned(entry.id, plan)
         return plan
 
-    def _unchanged(self, handle: WorkerHandle, entry: ModelEntry, options: ModelSettings | None,
-                   settings: ModelSettings) -> bool:
-        if options is None:
-            return True
-        s = handle.spec
-        want_ctx = options.n_ctx if options.n_ctx is not None else s.n_ctx
-        want = (Path(entry.path), want_ctx, settings.n_gpu_layers, settings.cache_type,
-                self._parallel(settings))
-        # Partial offload runs fewer GPU layers than were asked for: compare what was asked.
-        fit = self.fits.get((s.model_id, s.embedding))
-        asked = fit.n_gpu_layers_asked if fit is not None else s.n_gpu_layers
-        return want == (s.path, s.n_ctx, asked, s.cache_type, s.parallel)
+    def _reusable(self, handle: WorkerHandle, entry: ModelEntry, options: ModelSettings | None,
+                  settings: ModelSettings, plan: SpeculativePlan) -> bool:
+        """Is the running worker what this load asks for (so the load is a no-op)?"""
+        return (handle.state is not WorkerState.FAILED
+                and launch_spec.unchanged(handle, entry, options, settings, self.fits.get(handle_key(handle)),
+                                          self._parallel(settings))
+                and handle.spec.speculative == plan.options)
 
     def _parallel(self, settings: ModelSettings) -> int:
-        if settings.parallel:
-            return settings.parallel
-        # More slots than cores only slow each stream down on the CPU.
-        return DEFAULT_PARALLEL_CPU if self.device == "cpu" else DEFAULT_PARALLEL_GPU
+        return launch_spec.parallel_for(settings, self.device)
 
     async def _start_handle(self, key: tuple[str, bool], entry: ModelEntry, settings: ModelSettings,
                             explicit_ctx: bool, plan: SpeculativePlan | None = None) -> WorkerHandle:
@@ -201,21 +182,9 @@ class WorkerPool:
         plan = plan or SpeculativePlan()
         decision, placed = await self.room.fit_placed(entry, settings, explicit_ctx, parallel, embedding,
                                                       draft=plan)
-        n_ctx = decision.n_ctx if decision is not None else (settings.n_ctx or self.cfg.n_ctx or FALLBACK_CTX)
-        gpu_layers = settings.n_gpu_layers if settings.n_gpu_layers is not None else -1
-        if decision is not None:
-            gpu_layers = decision.n_gpu_layers  # fewer than asked with partial offload
-        pinned = self.room.gpus is not None  # per-GPU devices: pin the worker to its own
-        spec = WorkerSpec(model_id, Path(entry.path), embedding, n_ctx, gpu_layers,
-                          self.cfg.n_threads, placed.devices[0] if pinned else self.device,
-                          settings.cache_type or "f16",
-                          plan.options, parallel,
-                          # An embedding worker never takes images.
-                          mmproj=Path(entry.mmproj) if entry.mmproj and not embedding else None,
-                          lora=() if embedding else tuple(Path(a.path) for a in entry.adapters),
-                          devices=tuple(placed.devices) if pinned else (self.device,),
-                          gpu_indices=tuple(placed.indices) if pinned else None,
-                          tensor_split=tuple(placed.tensor_split))
+        spec = launch_spec.build_spec(key, entry, settings, decision, placed, plan, parallel=parallel,
+                                      n_threads=self.cfg.n_threads, default_ctx=self.cfg.n_ctx,
+                                      device=self.device, pinned=self.room.gpus is not None)
         handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit, self._clock)
         handle.keep_alive = parse_duration(settings.keep_alive or 0)
         handle.crash_counts = lambda in_flight: self.poison.crashed(
@@ -308,21 +277,7 @@ class WorkerPool:
 
     def _submit(self, handle: WorkerHandle, msg: p.Generate | p.Embed | p.Tokenize) -> Pending:
         self._check_admission(handle)
-        # No fingerprint is taken (a hash of the whole prompt) until a crash was seen.
-        if self.poison and self.poison.is_poison(fingerprint(handle.spec.model_id, msg)):
-            raise BadRequest(
-                f"this request crashed the model worker of '{handle.spec.model_id}' twice; "
-                "it is refused so that it cannot take the model down for others", code="request_crashed_worker")
-        try:
-            return handle.submit(msg)
-        except QueueFull as exc:
-            raise Unavailable(str(exc), retry_after=2, code="queue_full") from exc
-        except NotAccepting as exc:
-            if exc.state is WorkerState.FAILED:
-                raise ModelFailed(f"model '{handle.spec.model_id}' failed: {exc.reason}; "
-                                  f"load it again to retry (POST /api/models/{handle.spec.model_id}/load)") from exc
-            raise Unavailable(f"model '{handle.spec.model_id}' is {exc.state.value}: {exc.reason}",
-                              retry_after=5, code="model_unavailable") from exc
+        return submit.submit(handle, msg, self.poison)
 
     async def _route(self, model: str, lora_scale: float | None = None) -> adapter_route.Route:
         """A ``<base>:<adapter>`` id runs on its base's worker (supervisor/workers/adapter_route.py)."""
@@ -335,17 +290,7 @@ class WorkerPool:
         if not embedding:
             model_id = (await self._route(model_id)).model
         handle = await self.load(model_id, embedding)
-        while handle.facts is None:
-            if handle.state is WorkerState.FAILED:
-                raise ModelFailed(f"model '{model_id}' failed: {handle.reason}; "
-                                  f"load it again to retry (POST /api/models/{model_id}/load)")
-            if handle.state in (WorkerState.STOPPING, WorkerState.STOPPED):
-                # Unloaded before it was ever ready: nothing will fill the facts in.
-                raise Unavailable(f"model '{model_id}' was unloaded while it loaded",
-                                  retry_after=1, code="model_unavailable")
-            handle.changed.clear()
-            await handle.changed.wait()
-        return handle.facts
+        return await submit.wait_facts(handle, model_id)
 
     async def admit(
         self,
@@ -406,54 +351,14 @@ class WorkerPool:
         return ev.tokens
 
     # ------------------------------------------------------------ views
+    # What they show is built in supervisor/workers/views.py.
 
     def status(self, model_id: str) -> dict[str, Any] | None:
-        handle = self.handles.get((model_id, False)) or self.handles.get((model_id, True))
-        return None if handle is None else describe(handle, self.placements.get(handle_key(handle)))
+        return views.model_status(self.handles, self.placements, model_id)
 
     def workers(self) -> list[dict[str, Any]]:
-        return [describe(h, self.placements.get(k)) for k, h in self.handles.items()]
+        return views.worker_list(self.handles, self.placements)
 
     def readiness(self) -> dict[str, bool]:
-        """Per model with a generation worker: does it serve chat and completions?
-
-        A model's embedding worker does not make it ready: it serves only
-        ``/v1/embeddings``.
-        """
-        return {model: h.state is WorkerState.READY
-                for (model, embedding), h in self.handles.items() if not embedding}
-
-
-def describe(h: WorkerHandle, placed: GpuPlacement | None = None) -> dict[str, Any]:
-    expires = None
-    if h.keep_alive >= 0 and h.state is WorkerState.READY:
-        left = h.keep_alive - (h.clock() - h.last_used)
-        expires = None if h.busy else round(time.time() + max(0.0, left), 3)
-    return {
-        "keep_alive_s": h.keep_alive,
-        "keep_alive_expires_at": expires,
-        "load_progress": h.load_progress,
-        "model": h.spec.model_id,
-        "mode": "embedding" if h.spec.embedding else "generate",
-        "state": h.state.value,
-        "pid": h.pid,
-        "restarts": h.restarts,
-        "restarts_by_cause": {c.value: n for c, n in h.restarts_by_cause.items()},
-        "reason": h.reason,
-        "queued": len(h.queue),
-        "in_flight": len(h.inflight),
-        "parallel": h.spec.parallel,
-        "device": h.spec.device,
-        "devices": worker_devices(h),
-        # Where it was placed and from which numbers (free memory per GPU, headroom, split).
-        "placement": None if placed is None else msgspec.to_builtins(placed),
-        "n_ctx": h.facts.n_ctx if h.facts else None,
-        "stats": None if h.stats is None else {
-            "busy": h.stats.busy, "requests_done": h.stats.requests_done,
-            "requests_cancelled": h.stats.requests_cancelled,
-            "tokens_generated": h.stats.tokens_generated,
-            "draft_tokens": h.stats.draft_tokens, "draft_accepted": h.stats.draft_accepted},
-        "speculative": h.spec.speculative.mode,
-    }
-
-
+        """Per model with a generation worker: does it serve chat and completions?"""
+        return views.readiness(self.handles)
