@@ -30,6 +30,7 @@ from typing import Any
 import xllamacpp
 
 from worker.adapters import AdapterError, AdapterSet
+from worker.audio import audio_format
 from worker.chat_template import ChatRenderer, TemplateError
 from worker.engine_params import EngineOptions, engine_params
 from worker.gguf_meta import GGUFMetaError, read_metadata
@@ -221,7 +222,9 @@ class Engine:
             log.warning("serving text only: %s", self.vision_error)
         self.http = UnixJSONClient(sock)
         props = self.http.request("GET", "/props")
-        self.vision = bool((props.get("modalities") or {}).get("vision"))
+        modalities = props.get("modalities") or {}
+        self.vision = bool(modalities.get("vision"))
+        self.audio = bool(modalities.get("audio"))
         # The engine draws a random marker at start, so text from a client
         # can never place an image by spelling it.
         self.media_marker = str(props.get("media_marker") or "")
@@ -241,6 +244,7 @@ class Engine:
             chat_template=template,
             vision=self.vision,
             vision_error=self.vision_error,
+            audio=self.audio,
             adapters=list(self.adapters.paths),
             adapter_error=self.adapter_error,
         )
@@ -282,10 +286,7 @@ class Engine:
         return prompt, []
 
     def _check_images(self, req: Generate) -> None:
-        if not self.vision:
-            reason = f": {self.vision_error}" if self.vision_error else ""
-            raise ImageError("vision_unavailable", f"this model takes no images{reason}")
-        check_images(req)
+        check_images(req, vision=self.vision, audio=self.audio, why=self.vision_error)
 
     def generate(self, req: Generate, emit: Emit, cancelled: threading.Event) -> None:
         try:
@@ -349,9 +350,12 @@ class Engine:
     def _rejection(self, req: Generate, error: dict[str, Any], has_grammar: bool) -> Error:
         """A request the engine refused before its slot began."""
         message = str(error.get("message", "the engine refused the request"))
-        if req.images and "image" in message.lower():
+        if req.images and ("image" in message.lower() or "audio" in message.lower()):
             # Our checks pass only known formats by their magic bytes; the
-            # engine's decoder refuses a corrupt body with this message.
+            # engine's decoder refuses a corrupt body with one message for
+            # both kinds ("failed to load image or audio file").
+            if any(audio_format(b) is not None for b in req.images):
+                return Error(req.id, "invalid_audio", f"cannot decode an image or audio clip: {message}")
             return Error(req.id, "invalid_image", f"cannot decode an image: {message}")
         if error.get("type") == "exceed_context_size_error":
             return Error(req.id, "context_length_exceeded",

@@ -10,6 +10,7 @@ valid header and a corrupt body is still refused by the engine, and
 
 from __future__ import annotations
 
+from worker.audio import AudioError, audio_format, check_audio
 from worker.protocol import (
     MAX_IMAGE_BYTES,
     MAX_IMAGES,
@@ -49,16 +50,31 @@ def placements(req: Generate) -> int:
     return (req.prompt or "").count(MEDIA_MARKER)
 
 
-def check_images(req: Generate) -> None:
-    """Raise :class:`ImageError` for images the worker must not pass on."""
+def check_images(req: Generate, *, vision: bool, audio: bool, why: str = "") -> None:
+    """Raise :class:`ImageError` for media the worker must not pass on: each
+    item is an image (which needs ``vision``) or an audio clip (``audio``)."""
     if len(req.images) > MAX_IMAGES:
         raise ImageError("too_many_images", f"{len(req.images)} images; at most {MAX_IMAGES} per request")
+    reason = f": {why}" if why else ""
     for i, data in enumerate(req.images):
         if len(data) > MAX_IMAGE_BYTES:
             raise ImageError("image_too_large",
-                             f"image {i} has {len(data)} bytes; at most {MAX_IMAGE_BYTES} per image")
-        if image_format(data) in (None, "webp"):
-            raise ImageError("invalid_image", f"image {i} is not a PNG, JPEG or GIF file (WebP is not decoded)")
+                             f"item {i} has {len(data)} bytes; at most {MAX_IMAGE_BYTES} per item")
+        kind = image_format(data)
+        if kind == "webp":
+            raise ImageError("invalid_image", f"image {i} is WebP, which the engine does not decode")
+        if kind is not None:
+            if not vision:
+                raise ImageError("vision_unavailable", f"this model takes no images{reason}")
+            continue
+        if audio_format(data) is None:
+            raise ImageError("invalid_image", f"item {i} is not a PNG, JPEG or GIF image, nor WAV, MP3 or FLAC audio")
+        if not audio:
+            raise ImageError("audio_unavailable", f"this model takes no audio{reason}")
+        try:
+            check_audio(data)
+        except AudioError as exc:
+            raise ImageError("invalid_audio", f"audio {i}: {exc}") from exc
     placed = placements(req)
     if placed != len(req.images):
         raise ImageError("invalid_request",

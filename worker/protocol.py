@@ -67,7 +67,8 @@ class TextPart(msgspec.Struct, tag="text"):
 
 
 class ImagePart(msgspec.Struct, tag="image"):
-    """The request's next image (``Generate.images``, taken in order) goes here."""
+    """The request's next media item (``Generate.images``, taken in order: an
+    image or an audio clip) goes here."""
 
 
 ContentPart = TextPart | ImagePart
@@ -122,7 +123,7 @@ class Generate(msgspec.Struct, tag=True, omit_defaults=True):
     # Extra variables for the chat template (e.g. enable_thinking).
     template_vars: dict[str, Any] = {}
     request_id: str = ""
-    # Encoded images (PNG, JPEG or GIF bytes), placed by the ImageParts
+    # Encoded images (PNG, JPEG or GIF bytes, or WAV, MP3 or FLAC clips), placed by the ImageParts
     # of ``messages`` or the MEDIA_MARKERs of ``prompt``, in order.
     images: list[bytes] = []
     # A LoRA adapter the worker holds (its path, as on its command line) to
@@ -172,6 +173,9 @@ class ModelFacts(msgspec.Struct):
     # given but not loaded, why; the model then serves text only.
     vision: bool = False
     vision_error: str = ""
+    # Whether it takes audio clips (an audio projector loaded); the same
+    # vision_error says why a projector given did not load.
+    audio: bool = False
     # The LoRA adapters the worker holds (paths), and if it was given some
     # but the engine refused them, why; it then serves the base alone.
     adapters: list[str] = []

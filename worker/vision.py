@@ -37,9 +37,10 @@ def check_projector(path: Path) -> None:
     if meta.get("general.architecture") != "clip":
         raise ProjectorError(f"{path.name} is not a projector (architecture "
                              f"{meta.get('general.architecture')!r}, not 'clip')")
-    if meta.get("clip.has_vision_encoder") is not True:
-        raise ProjectorError(f"the projector {path.name} has no vision encoder")
-    missing = [k for k in _REQUIRED_ARRAYS if k not in names]
+    vision = meta.get("clip.has_vision_encoder") is True
+    if not vision and meta.get("clip.has_audio_encoder") is not True:
+        raise ProjectorError(f"the projector {path.name} has no vision or audio encoder")
+    missing = [k for k in _REQUIRED_ARRAYS if k not in names] if vision else []
     if missing:
         raise ProjectorError(f"the projector {path.name} lacks {', '.join(missing)}")
 

@@ -17,29 +17,36 @@ from supervisor.appkeys import LIBRARY, POOL
 from supervisor.config import ModelSettings
 from supervisor.errors import BadRequest, ModelNotFound
 from supervisor.models.library import ModelEntry
+from supervisor.models.projector import Modalities, projector_modalities
 from supervisor.workers.drafting import describe_speculative
 from supervisor.workers.handle import WorkerState, worker_log_path
 from supervisor.workers.pool import WorkerPool
 
 
-def model_vision(pool: WorkerPool, entry: ModelEntry) -> tuple[bool, str]:
-    """Whether the model takes images, and why not when its projector failed.
+def model_media(pool: WorkerPool, entry: ModelEntry) -> tuple[Modalities, str]:
+    """Whether the model takes images and audio, and why not when its
+    projector failed.
 
     Once its worker said hello this is what the worker reports: true only
-    when the projector loaded. Before that, a linked projector counts (it
-    loads with the model); one that then fails turns this false, with the
-    reason in ``vision_error``.
+    when the projector loaded. Before that, the encoders of a linked
+    projector count (it loads with the model); one that then fails turns
+    them false, with the reason in ``vision_error``.
     """
     handle = pool.handles.get((entry.id, False))
     facts = handle.facts if handle is not None else None
     if facts is not None:
-        return facts.vision, facts.vision_error
-    return entry.mmproj is not None, ""
+        return Modalities(facts.vision, facts.audio), facts.vision_error
+    if entry.mmproj is None:
+        return Modalities(False, False), ""
+    # A file the header reader cannot tell counts as an image projector
+    # until its worker says (with the reason when it is none).
+    return projector_modalities(entry.mmproj) or Modalities(True, False), ""
+
 
 
 def describe_model(entry: ModelEntry, pool: WorkerPool) -> dict[str, Any]:
     info = entry.info
-    vision, vision_error = model_vision(pool, entry)
+    media, vision_error = model_media(pool, entry)
     status = pool.status(entry.id)
     fit = pool.fits.get((entry.id, False))
     state = status["state"] if status else ("unloaded" if entry.usable else "unusable")
@@ -52,7 +59,8 @@ def describe_model(entry: ModelEntry, pool: WorkerPool) -> dict[str, Any]:
         "source": entry.source,
         "repo_id": entry.repo_id,
         "mmproj": entry.mmproj,
-        "vision": vision,
+        "vision": media.vision,
+        "audio": media.audio,
         "vision_error": vision_error or None,
         "quantization": entry.quantization,
         "architecture": info.architecture if info else None,

@@ -24,14 +24,16 @@ from aiohttp import web
 
 from supervisor.api.adapter_views import v1_pairs
 from supervisor.api.io import SseWriter, decode_body, json_response
-from supervisor.api.models import model_vision
+from supervisor.api.models import model_media
 from supervisor.api.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
 from supervisor.api.streaming import open_stream
 from supervisor.appkeys import CONFIG, POOL
 from supervisor.errors import ApiError, BadRequest
-from supervisor.generation.images import Images, no_vision_message, require_vision
+from supervisor.generation.images import Images, require_media, require_vision
 from supervisor.generation.pieces import Piece, Reasoning, StreamParser, Text, ToolCall
 from supervisor.generation.profile import profile_for
+from supervisor.models.library import ModelEntry
+from supervisor.models.projector import Modalities, projector_modalities
 from supervisor.responses.items import new_id
 from supervisor.responses.logprobs import LogprobEntry, TextLogprobs, chat_logprobs
 from supervisor.responses.runner import Plan, tool_plan
@@ -313,10 +315,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     offer = req.tool_offer()
     pool = request.app[POOL]
     if images.data:
-        # No projector linked: refused before the model loads for nothing.
+        # What the linked projector (if any) cannot take is refused before
+        # the model loads for nothing.
         entry = pool.models.entry(req.model)
-        if entry is not None and entry.mmproj is None:
-            raise BadRequest(no_vision_message(req.model), param=images.params[0], code="vision_unavailable")
+        linked = Modalities(False, False)
+        if entry is not None and entry.mmproj is not None:
+            # A projector the header does not tell about: its worker decides, with its reason.
+            linked = projector_modalities(entry.mmproj) or Modalities(True, True)
+        if entry is not None:
+            require_media(req.model, images, linked.vision, linked.audio)
     # The template decides the tool-call format and whether the model thinks.
     facts = await pool.facts(req.model)
     require_vision(req.model, images, facts)
@@ -363,6 +370,11 @@ async def embeddings(request: web.Request) -> web.Response:
                                     "total_tokens": result.prompt_tokens}})
 
 
+def _media_flags(pool: WorkerPool, entry: ModelEntry) -> dict[str, bool]:
+    media, _ = model_media(pool, entry)
+    return {"vision": media.vision, "audio": media.audio}
+
+
 async def list_models(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     data = []
@@ -372,7 +384,7 @@ async def list_models(request: web.Request) -> web.Response:
         reason = status["reason"] if status else entry.reason
         data.append({"id": entry.id, "object": "model", "created": int(entry.mtime),
                      "owned_by": "gpuvisor", "state": state, "reason": reason,
-                     "vision": model_vision(pool, entry)[0]})
+                     **_media_flags(pool, entry)})
     data += v1_pairs(pool)  # <base>:<adapter> pairs (supervisor/api/adapter_views.py)
     return json_response({"object": "list", "data": data})
 

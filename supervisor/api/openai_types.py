@@ -35,11 +35,17 @@ class ImageUrl(msgspec.Struct):
     detail: str | None = None
 
 
+class InputAudio(msgspec.Struct):
+    data: str  # base64
+    format: str  # wav, mp3 (the OpenAI API's), or flac
+
+
 class ContentPart(msgspec.Struct):
     type: str
     text: str | None = None
     # Some clients send the URL itself instead of {"url": ...}.
     image_url: ImageUrl | str | None = None
+    input_audio: InputAudio | None = None
 
 
 class ChatCalledFunction(msgspec.Struct):
@@ -258,6 +264,21 @@ class ChatRequest(Sampling, kw_only=True):
         return params
 
 
+def _add_media(part: ContentPart, role: str, param: str, images: Images) -> None:
+    """Decode an image_url or input_audio part into ``images``; 400s name ``param``."""
+    if role != "user":
+        what = "images are" if part.type == "image_url" else "audio is"
+        raise BadRequest(f"{what} accepted in user messages only", param=param)
+    if part.type == "image_url":
+        if part.image_url is None:
+            raise BadRequest("an image_url part needs image_url.url", param=param)
+        images.add(part.image_url if isinstance(part.image_url, str) else part.image_url.url, param)
+        return
+    if part.input_audio is None:
+        raise BadRequest("an input_audio part needs input_audio.data and .format", param=param)
+    images.add_audio(part.input_audio.data, part.input_audio.format, param)
+
+
 def _to_chat(i: int, m: InMessage, images: Images | None) -> ChatMessage:
     content: str | None
     parts: list[WorkerPart] | None = None
@@ -266,14 +287,9 @@ def _to_chat(i: int, m: InMessage, images: Images | None) -> ChatMessage:
         parts = []
         for j, part in enumerate(m.content):
             param = f"messages[{i}].content[{j}]"
-            if part.type == "image_url" and images is not None:
-                if m.role != "user":
-                    raise BadRequest("images are accepted in user messages only", param=param)
-                if part.image_url is None:
-                    raise BadRequest("an image_url part needs image_url.url", param=param)
-                url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
-                images.add(url, param)
-                parts.append(ImagePart())
+            if part.type in ("image_url", "input_audio") and images is not None:
+                _add_media(part, m.role, param, images)
+                parts.append(ImagePart())  # the worker's placement of any media item
                 continue
             if part.type not in ("text", "input_text") or part.text is None:
                 raise BadRequest(f"content part type '{part.type}' is not supported by this model",

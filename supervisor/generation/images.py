@@ -18,6 +18,8 @@ import binascii
 from dataclasses import dataclass, field
 
 from supervisor.errors import BadRequest
+from worker.audio import FORMATS as AUDIO_FORMATS
+from worker.audio import AudioError, check_audio
 from worker.images import image_format
 from worker.protocol import MAX_FRAME, MAX_IMAGE_BYTES, MAX_IMAGES, ModelFacts
 
@@ -69,13 +71,40 @@ def decode_data_url(url: str, param: str) -> bytes:
     return data
 
 
+def decode_audio(data_b64: str, declared: str, param: str) -> bytes:
+    """An ``input_audio`` part's clip: base64 WAV, MP3 or FLAC, long enough
+    for the engine (see worker/audio.py); a 400 naming ``param`` otherwise."""
+    fmt = declared.lower()
+    if fmt not in AUDIO_FORMATS:
+        raise BadRequest(f"unsupported audio format {declared!r}; wav, mp3 and flac are",
+                         param=f"{param}.input_audio.format", code="invalid_audio")
+    if len(data_b64) > _MAX_B64_CHARS:
+        raise BadRequest(f"the audio is larger than {MAX_IMAGE_BYTES} bytes", param=param,
+                         code="audio_too_large")
+    try:
+        data = binascii.a2b_base64(data_b64, strict_mode=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadRequest(f"the audio data is not valid base64: {exc}", param=param,
+                         code="invalid_audio") from exc
+    if len(data) > MAX_IMAGE_BYTES:
+        raise BadRequest(f"the audio has {len(data)} bytes; at most {MAX_IMAGE_BYTES}", param=param,
+                         code="audio_too_large")
+    try:
+        check_audio(data, fmt)
+    except AudioError as exc:
+        raise BadRequest(str(exc), param=param, code="invalid_audio") from exc
+    return data
+
+
 @dataclass
 class Images:
-    """A request's images in the order their parts place them."""
+    """A request's media (images and audio clips) in the order their parts
+    place them: they travel to the worker as one list."""
 
     data: list[bytes] = field(default_factory=list)
-    # The field of each image, for errors raised after collection (no vision).
+    # The field of each item, for errors raised after collection (no vision).
     params: list[str] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)  # "image" or "audio"
     total: int = 0
 
     def add(self, url: str, param: str) -> None:
@@ -85,7 +114,13 @@ class Images:
         data = decode_data_url(url, param)
         self.add_decoded(data, param)
 
-    def add_decoded(self, data: bytes, param: str) -> None:
+    def add_audio(self, data_b64: str, declared: str, param: str) -> None:
+        if len(self.data) >= MAX_IMAGES:
+            raise BadRequest(f"more than {MAX_IMAGES} images and clips in one request", param=param,
+                             code="too_many_images")
+        self.add_decoded(decode_audio(data_b64, declared, param), param, "audio")
+
+    def add_decoded(self, data: bytes, param: str, kind: str = "image") -> None:
         if len(self.data) >= MAX_IMAGES:
             raise BadRequest(f"more than {MAX_IMAGES} images in one request", param=param,
                              code="too_many_images")
@@ -94,7 +129,12 @@ class Images:
                              param=param, code="image_too_large")
         self.data.append(data)
         self.params.append(param)
+        self.kinds.append(kind)
         self.total += len(data)
+
+    def first(self, kind: str) -> str | None:
+        """The field of the first item of ``kind``, None without one."""
+        return next((p for p, k in zip(self.params, self.kinds, strict=True) if k == kind), None)
 
 
 def no_vision_message(model: str, vision_error: str = "") -> str:
@@ -102,8 +142,20 @@ def no_vision_message(model: str, vision_error: str = "") -> str:
     return f"{text} ({vision_error})" if vision_error else text
 
 
+def no_audio_message(model: str, why: str = "") -> str:
+    text = f"model '{model}' takes no audio: it has no audio projector (mmproj) loaded"
+    return f"{text} ({why})" if why else text
+
+
+def require_media(model: str, images: Images, vision: bool, audio: bool, why: str = "") -> None:
+    """A 400 naming the first image (or clip) the model cannot take."""
+    image_at, audio_at = images.first("image"), images.first("audio")
+    if image_at is not None and not vision:
+        raise BadRequest(no_vision_message(model, why), param=image_at, code="vision_unavailable")
+    if audio_at is not None and not audio:
+        raise BadRequest(no_audio_message(model, why), param=audio_at, code="audio_unavailable")
+
+
 def require_vision(model: str, images: Images, facts: ModelFacts) -> None:
-    """A 400 naming the first image when the loaded model cannot take images."""
-    if images.data and not facts.vision:
-        raise BadRequest(no_vision_message(model, facts.vision_error), param=images.params[0],
-                         code="vision_unavailable")
+    """A 400 naming the first item the loaded model cannot take."""
+    require_media(model, images, facts.vision, facts.audio, facts.vision_error)

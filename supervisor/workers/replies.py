@@ -51,7 +51,7 @@ _CLIENT_ERRORS: dict[str, Blame | None] = {
     "context_length_exceeded": Blame.PROMPT, "template_error": Blame.PROMPT,
     "invalid_grammar": Blame.GRAMMAR, "invalid_request": None,
     "invalid_image": Blame.IMAGES, "image_too_large": Blame.IMAGES, "too_many_images": Blame.IMAGES,
-    "vision_unavailable": Blame.IMAGES}
+    "vision_unavailable": Blame.IMAGES, "invalid_audio": Blame.IMAGES, "audio_unavailable": Blame.IMAGES}
 
 # How a client or its admin gets a longer context (the 400 says it).
 CONTEXT_HINT = ("For a longer context, load the model with a larger n_ctx: the n_ctx setting "
