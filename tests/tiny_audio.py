@@ -20,13 +20,13 @@ audio's samples.
 from __future__ import annotations
 
 import io
-import os
 import wave
 from pathlib import Path
 
 import gguf
 import numpy as np
 
+from supervisor.models.demo import finish_gguf
 from tests.tiny_vision import TEXT_EMBD, write_tiny_text_model
 
 # The engine's audio rate and mel hop (samples).
@@ -109,12 +109,7 @@ def write_tiny_audio_mmproj(
     w.add_tensor("a.post_ln.bias", zeros(n_embd))
     w.add_tensor("mm.a.fc.weight", rand(text_embd, n_embd))
     w.add_tensor("mm.a.fc.bias", zeros(text_embd))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
+    return finish_gguf(w, tmp, path)
 
 
 def write_tiny_audio_pair(models_dir: Path, *, seed: int = 0) -> tuple[Path, Path]:

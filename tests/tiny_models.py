@@ -9,13 +9,12 @@ allocates (KV cache, compute buffer) for an architecture's layout.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from supervisor.models.demo import CHATML_TEMPLATE, _vocab
+from supervisor.models.demo import CHATML_TEMPLATE, _vocab, finish_gguf
 
 
 def write_tiny_gemma3(
@@ -93,9 +92,4 @@ def write_tiny_gemma3(
         w.add_tensor(f"blk.{i}.ffn_up.weight", rand(n_ff, n_embd))
         w.add_tensor(f"blk.{i}.ffn_down.weight", rand(n_embd, n_ff))
         w.add_tensor(f"blk.{i}.post_ffw_norm.weight", ones(n_embd))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
+    return finish_gguf(w, tmp, path)

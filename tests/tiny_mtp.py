@@ -11,13 +11,12 @@ with a shared expert, as in the real models.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from supervisor.models.demo import CHATML_TEMPLATE, _vocab
+from supervisor.models.demo import CHATML_TEMPLATE, _vocab, finish_gguf
 
 ARCH = "glm4moe"
 
@@ -104,9 +103,4 @@ def write_tiny_mtp(path: Path, *, seed: int = 0, n_layer: int = 3, n_embd: int =
     w.add_tensor(last + "enorm.weight", ones(n_embd))
     w.add_tensor(last + "hnorm.weight", ones(n_embd))
     w.add_tensor(last + "shared_head_norm.weight", ones(n_embd))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
+    return finish_gguf(w, tmp, path)

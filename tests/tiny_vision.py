@@ -12,7 +12,6 @@ and dependent on the image's pixels.
 
 from __future__ import annotations
 
-import os
 import struct
 import zlib
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from supervisor.models.demo import write_tiny_gguf
+from supervisor.models.demo import finish_gguf, write_tiny_gguf
 
 TEXT_EMBD = 64
 
@@ -103,12 +102,7 @@ def write_tiny_mmproj(
     w.add_tensor("mm.0.bias", zeros(proj_hidden))
     w.add_tensor("mm.2.weight", rand(text_embd, proj_hidden))
     w.add_tensor("mm.2.bias", zeros(text_embd))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
+    return finish_gguf(w, tmp, path)
 
 
 def write_tiny_vision_pair(directory: Path, *, seed: int = 0) -> tuple[Path, Path]:

@@ -32,6 +32,24 @@ _MAX_B64_CHARS = (MAX_IMAGE_BYTES + 2) // 3 * 4 + 4096
 _MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "gif": "image/gif"}
 
 
+def _decode_base64(payload: str, param: str, what: str) -> bytes:
+    """Strict base64 of at most MAX_IMAGE_BYTES; ``what`` names it in the
+    message and the code (``invalid_image``, ``audio_too_large``, ...)."""
+    if len(payload) > _MAX_B64_CHARS:
+        raise BadRequest(f"the {what} is larger than {MAX_IMAGE_BYTES} bytes", param=param,
+                         code=f"{what}_too_large")
+    try:
+        # Strict: trailing junk or stray characters are refused, not skipped.
+        data = binascii.a2b_base64(payload, strict_mode=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadRequest(f"the {what} data is not valid base64: {exc}", param=param,
+                         code=f"invalid_{what}") from exc
+    if len(data) > MAX_IMAGE_BYTES:
+        raise BadRequest(f"the {what} has {len(data)} bytes; at most {MAX_IMAGE_BYTES}", param=param,
+                         code=f"{what}_too_large")
+    return data
+
+
 def decode_data_url(url: str, param: str) -> bytes:
     """The image bytes of a base64 ``data:`` URL; a 400 naming ``param`` otherwise."""
     scheme = url[:8].lower()
@@ -45,18 +63,7 @@ def decode_data_url(url: str, param: str) -> bytes:
     if not comma or not header.lower().endswith(";base64"):
         raise BadRequest("an image data: URL must be base64 (data:image/png;base64,...)",
                          param=param, code="invalid_image_url")
-    if len(payload) > _MAX_B64_CHARS:
-        raise BadRequest(f"the image is larger than {MAX_IMAGE_BYTES} bytes", param=param,
-                         code="image_too_large")
-    try:
-        # Strict: trailing junk or stray characters are refused, not skipped.
-        data = binascii.a2b_base64(payload, strict_mode=True)
-    except (binascii.Error, ValueError) as exc:
-        raise BadRequest(f"the image data is not valid base64: {exc}", param=param,
-                         code="invalid_image") from exc
-    if len(data) > MAX_IMAGE_BYTES:
-        raise BadRequest(f"the image has {len(data)} bytes; at most {MAX_IMAGE_BYTES}", param=param,
-                         code="image_too_large")
+    data = _decode_base64(payload, param, "image")
     kind = image_format(data)
     if kind == "webp":
         raise BadRequest("WebP images are not supported (the engine decodes PNG, JPEG and GIF): "
@@ -78,17 +85,7 @@ def decode_audio(data_b64: str, declared: str, param: str) -> bytes:
     if fmt not in AUDIO_FORMATS:
         raise BadRequest(f"unsupported audio format {declared!r}; wav, mp3 and flac are",
                          param=f"{param}.input_audio.format", code="invalid_audio")
-    if len(data_b64) > _MAX_B64_CHARS:
-        raise BadRequest(f"the audio is larger than {MAX_IMAGE_BYTES} bytes", param=param,
-                         code="audio_too_large")
-    try:
-        data = binascii.a2b_base64(data_b64, strict_mode=True)
-    except (binascii.Error, ValueError) as exc:
-        raise BadRequest(f"the audio data is not valid base64: {exc}", param=param,
-                         code="invalid_audio") from exc
-    if len(data) > MAX_IMAGE_BYTES:
-        raise BadRequest(f"the audio has {len(data)} bytes; at most {MAX_IMAGE_BYTES}", param=param,
-                         code="audio_too_large")
+    data = _decode_base64(data_b64, param, "audio")
     try:
         check_audio(data, fmt)
     except AudioError as exc:

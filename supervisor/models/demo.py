@@ -86,6 +86,12 @@ def write_tiny_gguf(
     _add_tokenizer(w, tokens, scores, types, chat_template)
     _add_tensors(w, np.random.default_rng(seed), n_vocab=len(tokens), n_embd=n_embd, n_layer=n_layer,
                  n_embd_kv=n_embd // n_head * n_head_kv, n_ff=n_ff)
+    return finish_gguf(w, tmp, path)
+
+
+def finish_gguf(w: gguf.GGUFWriter, tmp: Path, path: Path) -> Path:
+    """Write out everything added to ``w`` (opened on ``tmp``) and move it
+    to ``path`` in one rename: nobody sees a half-written model."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -18,7 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 
-from supervisor.models.memory import visible_devices
+from supervisor.models.memory import run_nvidia_smi, visible_devices
+from supervisor.models.memory import select_visible as select_entries
 
 MIB = 1024 * 1024
 SMI_QUERY = "--query-gpu=index,uuid,name,memory.free,memory.total"
@@ -74,23 +75,12 @@ def _mib(field: str) -> int:
 
 def select_visible(readings: list[GpuReading], environ: Mapping[str, str]) -> list[GpuReading]:
     """The GPUs the parent's own CUDA_VISIBLE_DEVICES leaves it (all when unset)."""
-    wanted = visible_devices(environ)
-    if wanted is None:
-        return readings
-    chosen: list[GpuReading] = []
-    for entry in wanted:
-        match = [r for r in readings if str(r.index) == entry or r.uuid.startswith(entry)]
-        if not match:
-            break  # CUDA ignores everything after an unknown device
-        chosen.append(match[0])
-    return chosen
+    return select_entries(readings, visible_devices(environ))
 
 
 def run_smi() -> str:
     """nvidia-smi's memory query; FileNotFoundError when it is not installed."""
-    done = subprocess.run(["nvidia-smi", SMI_QUERY, "--format=csv,noheader,nounits"],
-                          capture_output=True, text=True, timeout=SMI_TIMEOUT_S, check=True)
-    return done.stdout
+    return run_nvidia_smi(SMI_QUERY, SMI_TIMEOUT_S)
 
 
 class SmiSource(DeviceSource):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Literal, Protocol, TypeVar
 
 import msgspec
 import psutil
@@ -59,7 +59,18 @@ def parse_smi(output: str) -> list[DeviceMemory]:
     return devices
 
 
-def _select(devices: list[DeviceMemory], wanted: list[str] | None) -> list[DeviceMemory]:
+class _Gpu(Protocol):
+    @property
+    def index(self) -> int: ...
+    @property
+    def uuid(self) -> str: ...
+
+
+GpuT = TypeVar("GpuT", bound=_Gpu)
+
+
+def select_visible(devices: list[GpuT], wanted: list[str] | None) -> list[GpuT]:
+    """The devices a CUDA_VISIBLE_DEVICES list (``visible_devices``) leaves, in its order."""
     if wanted is None:
         return devices
     chosen = []
@@ -71,13 +82,14 @@ def _select(devices: list[DeviceMemory], wanted: list[str] | None) -> list[Devic
     return chosen
 
 
-def run_nvidia_smi() -> str:
-    """nvidia-smi's memory query output; raises OSError / CalledProcessError."""
+def run_nvidia_smi(query: str = _SMI_QUERY, timeout: float = 10.0) -> str:
+    """nvidia-smi's output for a ``--query-gpu=...`` query; raises OSError /
+    CalledProcessError (FileNotFoundError when it is not installed)."""
     done = subprocess.run(
-        ["nvidia-smi", _SMI_QUERY, "--format=csv,noheader,nounits"],
+        ["nvidia-smi", query, "--format=csv,noheader,nounits"],
         capture_output=True,
         text=True,
-        timeout=10,
+        timeout=timeout,
         check=True,
     )
     return done.stdout
@@ -94,7 +106,7 @@ def free_memory(
         note = "CUDA_VISIBLE_DEVICES hides every GPU"
     else:
         try:
-            devices = _select(parse_smi(smi()), wanted)
+            devices = select_visible(parse_smi(smi()), wanted)
         except FileNotFoundError:
             note = "nvidia-smi not found"
         except (OSError, subprocess.SubprocessError, ValueError) as exc:
