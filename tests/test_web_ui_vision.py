@@ -35,7 +35,9 @@ def desk(browser: Any, srv: Server) -> Iterator[Any]:
 
 def _open_chat(pg: Any, srv: Server, model: str) -> None:
     pg.goto(f"{srv.base_url}/#/chat?model={model}")
-    pg.wait_for_function(f"document.querySelector('#chat-model')?.value === {model!r}")
+    # A function, not a bare expression: Playwright polls an expression with
+    # eval(), which the page's CSP refuses once the first check fails.
+    pg.wait_for_function("m => document.querySelector('#chat-model')?.value === m", arg=model)
 
 
 def test_attach_preview_send_and_history(desk: Any, srv: Server, tmp_path: Path) -> None:
@@ -57,6 +59,6 @@ def test_model_without_vision_refuses_with_the_reason(desk: Any, srv: Server, tm
     image.write_bytes(png(32, 32, (255, 0, 0)))
     _open_chat(desk, srv, "text/plain")
     desk.set_input_files("#chat-image-file", str(image))
-    desk.wait_for_function("document.querySelector('.composer .form-error').textContent.includes('takes no images')")
+    desk.wait_for_function("() => document.querySelector('.composer .form-error').textContent.includes('takes no images')")
     assert "no vision projector" in desk.inner_text(".composer .form-error")
     assert desk.locator(".chat-images.attached img").count() == 0

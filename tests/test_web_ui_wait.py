@@ -30,7 +30,7 @@ def test_busy_device_offers_to_wait_then_sends(browser: Any, tiny_model_path: Pa
     context, pg, watch = new_page(browser, srv.base_url, viewport)
     try:
         pg.goto(f"{srv.base_url}/#/chat?model=tiny")
-        pg.wait_for_function("document.querySelector('#chat-model')?.value === 'tiny'")
+        pg.wait_for_function("() => document.querySelector('#chat-model')?.value === 'tiny'")
         pg.fill("#chat-input", "hello there")
         pg.click("form.composer button[type=submit]")
         pg.wait_for_selector(".msg.assistant.failed .notice.busy")
