@@ -22,25 +22,22 @@ import functools
 import logging
 import signal
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from jobs.errors import ParamError
-from jobs.events import Done, Failed
 from jobs.kinds import KindSpec, kind_spec, params_dict
 from jobs.params import JobParams
 from supervisor.errors import ApiError, BadRequest, StorageFull, param_error
 from supervisor.lab.active import ActiveJob, RunnerSettings, StopReason
 from supervisor.lab.job_exec import JobExecution, SpawnFailed
 from supervisor.lab.job_process import (
-    describe_exit,
-    log_tail,
     signal_group,
 )
 from supervisor.lab.lease import GpuLease
+from supervisor.lab.outcome import Outcome, outcome_of, record, record_later
 from supervisor.lab.store import (
     WAITING_STAGE,
     Job,
@@ -52,14 +49,6 @@ from supervisor.lab.store import (
 log = logging.getLogger(__name__)
 
 __all__ = ["JobRunner", "RunnerSettings"]
-
-@dataclass(frozen=True)
-class _Outcome:
-    status: Status
-    result: dict[str, Any] | None
-    error: str | None
-    exit_code: int | None
-
 
 def _stored_spec(kind: str) -> KindSpec:
     try:
@@ -79,7 +68,7 @@ class JobRunner:
         self._active: dict[str, ActiveJob] = {}
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        # Final states waiting for disk space (see _record_later).
+        # Final states waiting for disk space (see lab/outcome.py).
         self._late_records: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._stopped: asyncio.Future[None] | None = None
@@ -357,25 +346,7 @@ class JobRunner:
         await self._conclude(active, rc, log_path)
 
     async def _conclude(self, active: ActiveJob, rc: int, log_path: Path) -> None:
-        how = describe_exit(rc)
-        terminal = active.terminal
-        if isinstance(terminal, Done):
-            await self._finish(active, "succeeded", result=terminal.result, exit_code=rc)
-        elif active.stop_reason == "cancel":
-            await self._finish(active, "cancelled", error="cancelled on request", exit_code=rc)
-        elif active.stop_reason == "shutdown":
-            await self._finish(active, "interrupted", error="supervisor shut down", exit_code=rc)
-        elif active.stop_reason == "heartbeat":
-            error = f"no events for {self.settings.heartbeat_timeout_s:.0f} s: killed ({how})"
-            await self._finish(active, "failed", error=error, exit_code=rc)
-        elif isinstance(terminal, Failed):
-            await self._finish(active, "failed", error=terminal.error, exit_code=rc)
-        else:
-            tail = log_tail(log_path, self.settings.log_tail_bytes)
-            error = f"job process {how} without finishing"
-            await self._finish(
-                active, "failed", error=error + (f"; log tail:\n{tail}" if tail else ""), exit_code=rc
-            )
+        await self._record_outcome(active, outcome_of(active, rc, log_path, self.settings))
 
     async def _finish(
         self,
@@ -386,37 +357,15 @@ class JobRunner:
         error: str | None = None,
         exit_code: int | None = None,
     ) -> None:
-        outcome = _Outcome(status, result, error, exit_code)
+        await self._record_outcome(active, Outcome(status, result, error, exit_code))
+
+    async def _record_outcome(self, active: ActiveJob, outcome: Outcome) -> None:
         try:
-            await self._record(active.job.id, outcome)
+            await record(self.store, active.job.id, outcome)
         except StorageFull as exc:
             log.error("job %s ended (%s) but the disk is full: %s; retrying until it has room",
-                      active.job.id, status, exc.message)
-            task = asyncio.create_task(self._record_later(active.job.id, outcome),
+                      active.job.id, outcome.status, exc.message)
+            task = asyncio.create_task(record_later(self.store, active.job.id, outcome),
                                        name=f"job-{active.job.id}-record")
             self._late_records.add(task)
             task.add_done_callback(self._late_records.discard)
-
-    async def _record(self, job_id: str, o: _Outcome) -> None:
-        try:
-            await self.store.finish(job_id, o.status, result=o.result, error=o.error, exit_code=o.exit_code)
-        except StorageFull:
-            raise
-        except ApiError as exc:
-            # Already finished elsewhere (say, cancelled while still queued).
-            log.info("job %s: %s", job_id, exc.message)
-
-    async def _record_later(self, job_id: str, outcome: _Outcome) -> None:
-        """Retry a final state the full disk refused. Cancelled at shutdown:
-        boot recovery then marks the job ``interrupted``."""
-        delay = 0.5
-        while True:
-            await asyncio.sleep(delay)
-            try:
-                await self._record(job_id, outcome)
-            except StorageFull:
-                delay = min(delay * 2, 10.0)
-                continue
-            log.info("job %s: its final state (%s) is saved now", job_id, outcome.status)
-            return
-
