@@ -25,7 +25,7 @@ from jobs.errors import ParamError
 from jobs.kinds import validate_params
 from jobs.params import ModelLookup, ResolveContext, Roots
 from supervisor.api import datasets
-from supervisor.api.auth import key_id_of
+from supervisor.api.auth import key_id_of, request_scope
 from supervisor.api.io import (
     SseWriter,
     decode_body,
@@ -34,7 +34,6 @@ from supervisor.api.io import (
     read_body,
 )
 from supervisor.appkeys import (
-    AUTH,
     ENGINE_CHECK,
     JOB_RUNNER,
     JOB_SETTINGS,
@@ -45,7 +44,6 @@ from supervisor.errors import (
     BadRequest,
     Conflict,
     NotFound,
-    Unauthorized,
     param_error,
 )
 from supervisor.lab.hub import StoredEvent, Subscription
@@ -109,21 +107,17 @@ class Caller:
         return job.to_api(admin=self.sees_all)
 
 
-async def caller(request: web.Request) -> Caller:
-    # The auth middleware names every principal it admits; no name: auth is off.
+def caller(request: web.Request) -> Caller:
+    """Who asks, as the auth middleware admitted them (it verified the key)."""
+    # The middleware names every principal it admits; no name: auth is off.
     if "auth_name" not in request:
         return Caller(None, True)
-    # Verified by the middleware already: this is a cache hit, not a second scrypt.
-    who = await request.app[AUTH].identify(request)
-    if who is None:
-        raise Unauthorized("the key is no longer valid")
+    scope = request_scope(request)
+    if scope is not None:  # a user key: it sees its own jobs only
+        return Caller(scope, False)
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     key_id = key_id_of(token.strip()) if scheme.lower() == "bearer" else None
-    if who.role == "admin":
-        return Caller(key_id or "admin", True)
-    if key_id is None:  # a user principal comes only from an API key
-        raise Unauthorized("the key is no longer valid")
-    return Caller(key_id, False)
+    return Caller(key_id or "admin", True)
 
 
 async def _visible_job(request: web.Request, who: Caller) -> Job:
@@ -137,7 +131,7 @@ async def _visible_job(request: web.Request, who: Caller) -> Job:
 
 async def submit_job(request: web.Request) -> web.Response:
     body = await decode_body(request, SubmitBody)
-    who = await caller(request)
+    who = caller(request)
     settings = request.app[JOB_SETTINGS]
     ctx = ResolveContext(settings.roots, settings.model_lookup, test_kinds=settings.test_job_kinds)
     try:
@@ -171,7 +165,7 @@ async def list_jobs(request: web.Request) -> web.Response:
     bad = [s for s in statuses if s not in _STATUSES]
     if bad:
         raise BadRequest(f"unknown status {bad[0]!r}", param="status")
-    who = await caller(request)
+    who = caller(request)
     page = await request.app[JOB_STORE].list_jobs(
         status=statuses,
         kind=request.query.get("kind") or None,
@@ -185,7 +179,7 @@ async def list_jobs(request: web.Request) -> web.Response:
 
 
 async def get_job(request: web.Request) -> web.Response:
-    who = await caller(request)
+    who = caller(request)
     return json_response(who.view(await _visible_job(request, who)))
 
 
@@ -206,7 +200,7 @@ def _cancel_save(request: web.Request, body: bytes) -> bool:
 
 async def cancel_job(request: web.Request) -> web.Response:
     save = _cancel_save(request, await read_body(request))
-    who = await caller(request)
+    who = caller(request)
     job = await _visible_job(request, who)
     job = await request.app[JOB_RUNNER].cancel(job.id, save=save)
     return json_response(who.view(job))
@@ -215,14 +209,14 @@ async def cancel_job(request: web.Request) -> web.Response:
 async def resume_job(request: web.Request) -> web.Response:
     """A new attempt of an interrupted, cancelled or failed resumable job,
     from its newest complete checkpoint (same job id, events continue)."""
-    who = await caller(request)
+    who = caller(request)
     job = await _visible_job(request, who)
     job = await request.app[JOB_RUNNER].resume(job.id)
     return json_response(who.view(job))
 
 
 async def delete_job(request: web.Request) -> web.Response:
-    who = await caller(request)
+    who = caller(request)
     job = await _visible_job(request, who)
     job = await request.app[JOB_STORE].delete(job.id)
     if job.log_path:
@@ -231,7 +225,7 @@ async def delete_job(request: web.Request) -> web.Response:
 
 
 async def job_log(request: web.Request) -> web.Response:
-    job = await _visible_job(request, await caller(request))
+    job = await _visible_job(request, caller(request))
     limit = request.app[JOB_SETTINGS].log_max_bytes
     tail = _int_query(request, "tail", limit, 0, limit)
     data = await asyncio.to_thread(_read_tail, job.log_path, tail) if job.log_path else b""
@@ -264,7 +258,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     """Replay events after Last-Event-ID, then stream live ones; ``end`` last."""
     store = request.app[JOB_STORE]
     settings = request.app[JOB_SETTINGS]
-    who = await caller(request)
+    who = caller(request)
     job_id = (await _visible_job(request, who)).id  # 404 before the stream starts
     last = _last_event_id(request)
     # Subscribe before reading the database so no event falls in between.
