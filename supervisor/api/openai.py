@@ -35,7 +35,7 @@ from supervisor.generation.profile import profile_for
 from supervisor.models.library import ModelEntry
 from supervisor.models.projector import Modalities, projector_modalities
 from supervisor.responses.items import new_id
-from supervisor.responses.logprobs import LogprobEntry, TextLogprobs, chat_logprobs
+from supervisor.responses.logprobs import LogprobEntry, TextLogprobs, chat_logprobs, completion_logprobs
 from supervisor.responses.runner import Plan, tool_plan
 from supervisor.workers.pool import Generation, WorkerPool
 from supervisor.workers.replies import Blame, Rejected
@@ -157,6 +157,7 @@ class _Shape:
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.calls: dict[int, int] = {}  # tool calls streamed so far per choice, each chunk naming its index
+        self.offsets: dict[int, int] = {}  # text streamed so far per legacy choice (logprobs' text_offset)
 
     def _wrap(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -173,8 +174,11 @@ class _Shape:
                                 "finish_reason": _finish_reason(done, "tool_calls" in message), "logprobs": logprobs})
             else:
                 text = "".join(p.text for p in pieces if isinstance(p, Text))
-                choices.append({"index": index, "text": text, "finish_reason": _FINISH[done.finish_reason],
-                                "logprobs": None})
+                echoed = len(reply.echo)
+                choices.append({"index": index, "text": reply.echo + text,
+                                "finish_reason": _FINISH[done.finish_reason],
+                                "logprobs": completion_logprobs(reply.logprobs, echoed)
+                                if reply.logprobs is not None else None})
         body = self._wrap("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = _usage([reply.done for reply in replies], reasoning_tokens)
         return body
@@ -194,8 +198,11 @@ class _Shape:
                       "logprobs": chat_logprobs(logprobs) if logprobs else None}
             return self._wrap("chat.completion.chunk", [choice])
         text = piece.text if isinstance(piece, Text) else ""
-        return self._wrap("text_completion",
-                          [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}])
+        offset = self.offsets.get(index, 0)
+        self.offsets[index] = offset + len(text)
+        return self._wrap("text_completion", [{
+            "index": index, "text": text, "finish_reason": finish,
+            "logprobs": completion_logprobs(logprobs, offset) if logprobs else None}])
 
     def final_chunk(self, index: int, done: Done) -> dict[str, Any]:
         return self.chunk(index, None, _finish_reason(done, self.calls.get(index, 0) > 0))
@@ -214,6 +221,7 @@ class Collected:
     done: Done
     logprobs: list[LogprobEntry] | None = None
     forced_call: bool = False
+    echo: str = ""  # a legacy completion's prompt, echoed before its text
 
 
 class _Choice:
@@ -300,7 +308,7 @@ async def _reply(request: web.Request, shape: _Shape, choices: list[_Choice], st
         return await _stream(request, shape, choices, include_usage)
     replies = [await choice.collect() for choice in choices]
     if echo is not None:
-        replies = [Collected([Text(echo), *r.pieces], r.done, r.logprobs, r.forced_call) for r in replies]
+        replies = [Collected(r.pieces, r.done, r.logprobs, r.forced_call, echo) for r in replies]
     return json_response(shape.whole(replies, sum(c.reply.reasoning_tokens for c in choices)))
 
 
@@ -345,8 +353,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params = req.sampling()
     if params.max_tokens is None:
         params.max_tokens = 16  # OpenAI's default for legacy completions
+    params.logprobs = req.logprobs
+
+    def reply() -> Reply:
+        return Reply(logprobs=req.logprobs is not None)
+
     async with AsyncExitStack() as stack:
-        choices = await _admit(stack, request.app[POOL], req.model, Reply, _choice_params(params, req.n),
+        choices = await _admit(stack, request.app[POOL], req.model, reply, _choice_params(params, req.n),
                                prompt=prompt, request_id=request.get("request_id", ""),
                                keep_alive=req.keep_alive_s(), lora_scale=req.lora_scale)
         return await _reply(request, _Shape(False, req.model), choices, req.stream, req.include_usage,

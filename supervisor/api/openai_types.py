@@ -20,7 +20,7 @@ from supervisor.generation.tools import (
     Offer,
     resolve,
 )
-from supervisor.responses.logprobs import MAX_TOP_LOGPROBS
+from supervisor.responses.logprobs import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
 from supervisor.responses.models import Effort
 from worker.protocol import ChatMessage, ImagePart, SamplingParams, TextPart
 from worker.protocol import ContentPart as WorkerPart
@@ -325,6 +325,8 @@ class CompletionRequest(Sampling, kw_only=True):
     prompt: str | list[str]
     echo: bool = False
     suffix: str | None = None
+    # The legacy API's form: how many alternatives per token (0: the chosen one only).
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
 
     def prompt_text(self) -> str:
         if isinstance(self.prompt, str):

@@ -71,6 +71,22 @@ class TextLogprobs:
         return []
 
 
+# Alternatives per position the legacy completions API allows (``logprobs``).
+MAX_COMPLETION_LOGPROBS = 5
+
+
+def completion_logprobs(entries_: list[LogprobEntry], offset: int = 0) -> dict[str, Any]:
+    """A legacy completion choice's ``logprobs``: parallel lists, with each
+    token's character offset in the choice's text starting at ``offset``."""
+    offsets = []
+    for e in entries_:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": [e.token for e in entries_], "token_logprobs": [e.logprob for e in entries_],
+            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries_],
+            "text_offset": offsets}
+
+
 def chat_logprobs(entries_: list[LogprobEntry]) -> dict[str, Any]:
     """A chat choice's ``logprobs`` object."""
     return {"content": msgspec.to_builtins(entries_), "refusal": None}
