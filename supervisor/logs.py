@@ -153,6 +153,9 @@ def configure(level: str, fmt: str, secret_values: Iterable[str] = ()) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # The gguf writer narrates every file it writes (the demo model at first
+    # start) at INFO: its warnings still show.
+    logging.getLogger("gguf").setLevel(max(logging.WARNING, root.level))
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
