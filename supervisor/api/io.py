@@ -80,6 +80,22 @@ SSE_HEADERS = {
 }
 
 
+# Characters JSON may carry raw that Python's str.splitlines() (and so
+# httpx's iter_lines, which many clients read streams with) takes for line
+# ends: NEL, LINE SEPARATOR, PARAGRAPH SEPARATOR. A model can emit any of
+# them; escaped, an event's data stays on its one line for every reader.
+_LINE_BREAKERS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def _line_safe(payload: bytes) -> bytes:
+    # In UTF-8 these byte sequences are only ever these characters, and in
+    # JSON only inside strings, where the escape means the same.
+    for raw, escaped in _LINE_BREAKERS:
+        if raw in payload:
+            payload = payload.replace(raw, escaped)
+    return payload
+
+
 class SseWriter:
     """Writes Server-Sent Events onto a prepared StreamResponse."""
 
@@ -99,7 +115,7 @@ class SseWriter:
         if event is not None:
             parts.append(b"event: %s\n" % event.encode())
         payload = obj if isinstance(obj, bytes) else _json_encoder.encode(obj)
-        parts.append(b"data: " + payload + b"\n\n")
+        parts.append(b"data: " + _line_safe(payload) + b"\n\n")
         await self.response.write(b"".join(parts))
 
     async def raw(self, chunk: bytes) -> None:
