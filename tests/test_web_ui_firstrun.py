@@ -127,7 +127,7 @@ def test_job_forms_have_labels_help_and_pickers(desk: Any, srv: Server, screens:
     list_id = model.get_attribute("list")
     assert list_id
     pg.wait_for_function(
-        "id => [...document.getElementById(id).options].map(o => o.value).includes('tiny-b')", arg=list_id)
+        "id => [...(document.getElementById(id)?.options ?? [])].map(o => o.value).includes('tiny-b')", arg=list_id)
     model.fill("anything typed")
     assert model.input_value() == "anything typed"
     watch.check()
@@ -234,7 +234,7 @@ def test_same_upload_name_and_dataset_job_page(desk: Any, srv: Server, screens: 
     assert "20 of 20 read" in summary.inner_text()
     assert re.search(r"\d+ train · \d+ eval", summary.inner_text())
     assert not pg.locator("section[aria-label=Result] details.raw-result pre").is_visible()
-    pg.wait_for_function("() => document.querySelector('pre.log').textContent !== ''")
+    pg.wait_for_function("() => (document.querySelector('pre.log')?.textContent ?? '') !== ''")
     assert pg.locator("pre.log").inner_text() != "(no output yet)"
     facts = pg.locator("section[aria-label=Status] dl.facts").inner_text()
     assert "Ran for" in facts and "Running for" not in facts
@@ -248,7 +248,7 @@ def test_same_upload_name_and_dataset_job_page(desk: Any, srv: Server, screens: 
     # The dataset picker now offers what was uploaded here.
     pg.locator(".segmented button[data-kind=dataset]").click()
     pg.wait_for_function(
-        "() => [...(document.querySelector('#submit-dataset-input').list?.options || [])].some(o => o.value === 'ui-dup-1.jsonl')")
+        "() => [...(document.querySelector('#submit-dataset-input')?.list?.options || [])].some(o => o.value === 'ui-dup-1.jsonl')")
     watch.check()
 
 
@@ -292,7 +292,7 @@ def test_quantize_result_links_to_chat(desk: Any, srv: Server, screens: Path) ->
     shoot(pg, screens, "job-quantize-finished")
     summary.get_by_role("link", name="Chat with this model").click()
     pg.wait_for_function("() => location.hash.startsWith('#/chat')")
-    pg.wait_for_function("m => document.querySelector('#chat-model').value === m", arg=job["result"]["model"])
+    pg.wait_for_function("m => document.querySelector('#chat-model')?.value === m", arg=job["result"]["model"])
     watch.check()
 
 
@@ -434,7 +434,7 @@ def test_chat_model_states_follow_the_server(desk: Any, srv: Server) -> None:
     # Unloaded behind the page's back: the picker says so within a poll.
     httpx.post(f"{srv.base_url}/api/models/tiny/unload", json={}, timeout=60).raise_for_status()
     pg.wait_for_function(
-        "() => /loads on first use/.test(document.querySelector('#chat-model option[value=tiny]').textContent)", timeout=15_000)
+        "() => /loads on first use/.test(document.querySelector('#chat-model option[value=tiny]')?.textContent ?? '')", timeout=15_000)
     watch.check()
 
 

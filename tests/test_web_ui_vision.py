@@ -59,6 +59,6 @@ def test_model_without_vision_refuses_with_the_reason(desk: Any, srv: Server, tm
     image.write_bytes(png(32, 32, (255, 0, 0)))
     _open_chat(desk, srv, "text/plain")
     desk.set_input_files("#chat-image-file", str(image))
-    desk.wait_for_function("() => document.querySelector('.composer .form-error').textContent.includes('takes no images')")
+    desk.wait_for_function("() => (document.querySelector('.composer .form-error')?.textContent ?? '').includes('takes no images')")
     assert "no vision projector" in desk.inner_text(".composer .form-error")
     assert desk.locator(".chat-images.attached img").count() == 0
