@@ -10,10 +10,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -34,6 +34,21 @@ FAST_ENV = {
     # The sleep job kind, which many tests run.
     "GPUVISOR_TEST_JOB_KINDS": "1",
 }
+
+
+T = TypeVar("T")
+
+
+def poll_until(get: Callable[[], T], pred: Callable[[T], bool], timeout: float = 20,
+               interval: float = 0.1) -> T:
+    """Read ``get()`` until ``pred`` holds, and return that value. Another
+    process's state over HTTP has no event to await: this bounded poll is
+    the wait; the bound is coarse, against hangs only."""
+    deadline = time.monotonic() + timeout
+    while not pred(value := get()):
+        assert time.monotonic() < deadline, f"never held; last: {value!r}"
+        time.sleep(interval)
+    return value
 
 
 def short_tempdir(prefix: str = "gv") -> Path:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import openai
 from jobs.hf_convert import convert
 from jobs.lora_export import convert_adapter
 from tests.lora_support import finetune, random_adapter
-from tests.server import Server, running, short_tempdir
+from tests.server import Server, poll_until, running, short_tempdir
 from tests.tiny_hf import build_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -95,10 +94,7 @@ def _models(srv: Server) -> dict[str, Any]:
 
 
 def _wait_listed(srv: Server, model_id: str) -> None:
-    deadline = time.monotonic() + 20
-    while model_id not in _models(srv):
-        assert time.monotonic() < deadline, f"{model_id} never appeared in /v1/models"
-        time.sleep(0.1)
+    poll_until(lambda: _models(srv), lambda listed: model_id in listed)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server import Server, short_tempdir
+from tests.server import Server, running, short_tempdir
 from tests.tiny_audio import audio_positions, wav, write_tiny_audio_pair
 from tests.tiny_vision import write_tiny_text_model
 from worker.audio import AudioError, check_audio
@@ -28,12 +28,8 @@ def srv() -> Iterator[Server]:
     write_tiny_audio_pair(models)
     (models / "text").mkdir()
     write_tiny_text_model(models / "text" / "plain.gguf", seed=1)
-    server = Server(models, state_dir=short_tempdir(), model=MODEL, env={"GPUVISOR_N_CTX": "2048"})
-    server.start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
+    with running(Server(models, state_dir=short_tempdir(), model=MODEL, env={"GPUVISOR_N_CTX": "2048"})) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -93,10 +93,18 @@ class Replay(RecordedSource):
     def __init__(self, frames: list[list[GpuReading]]) -> None:
         super().__init__(frames)
         self.live = frames
+        self.later: tuple[int, list[int]] | None = None
 
     def read(self) -> list[GpuReading]:
         self.reads += 1
+        if self.later is not None and self.reads >= self.later[0]:
+            self.live[:] = [gpu_box(self.later[1])]
+            self.later = None
         return list(self.live[-1])
+
+    def free_after(self, reads: int, free_mib: list[int]) -> None:
+        """From the ``reads``-th further read on, the GPUs show ``free_mib``."""
+        self.later = (self.reads + reads, free_mib)
 
 
 @pytest.fixture
@@ -243,16 +251,9 @@ async def test_eviction_waits_for_the_driver_to_free_the_memory(box: Callable[..
     # "big" holds ~10.6 GiB; the next load finds too little until it is evicted,
     # and the driver shows the memory back only some readings after the stop.
     b.set_free([5000])
-    reads_before = b.source.reads
-
-    async def free_later() -> None:
-        while b.source.reads < reads_before + 6:
-            await asyncio.sleep(0.005)
-        b.set_free([16000])
-
-    freeing = asyncio.create_task(free_later())
+    b.source.free_after(6, [16000])
     await asyncio.wait_for(b.pool.load("big2"), 5.0)
-    await freeing
+    assert b.source.later is None, "the load went ahead before the memory was back"
     assert ("big", False) not in b.pool.handles
     assert b.placement("big2")["free_bytes"] == [16000 * MIB]
     await b.pool.stop_all()

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import psutil
 
-from tests.server import Server, short_tempdir
+from tests.server import Server, poll_until, short_tempdir
 
 LONG = {"GPUVISOR_N_CTX": "16384"}
 
@@ -168,12 +168,8 @@ def test_sighup_rescans_and_keeps_serving(tiny_model_path: Path, start_server: C
     assert srv.proc is not None
     (models / "second.gguf").symlink_to(tiny_model_path)
     srv.proc.send_signal(signal.SIGHUP)
-    deadline = time.monotonic() + 30
-    ids: list[str] = []
-    while time.monotonic() < deadline and "second" not in ids:
-        time.sleep(0.1)
-        ids = [m["id"] for m in httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"]]
-    assert "second" in ids
+    poll_until(lambda: [m["id"] for m in httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"]],
+               lambda ids: "second" in ids, timeout=30)
     assert srv.proc.poll() is None
     assert "received SIGHUP: scanning the models dirs again" in srv.log_text()
     assert httpx.get(srv.base_url + "/healthz", timeout=10).status_code == 200

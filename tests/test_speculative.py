@@ -5,8 +5,7 @@ a draft model the engine cannot load fails the load cleanly."""
 from __future__ import annotations
 
 import struct
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import httpx
 import pytest
 
 from supervisor.models.demo import write_tiny_gguf
-from tests.server import Server, running, short_tempdir
+from tests.server import Server, poll_until, running, short_tempdir
 from tests.tiny_mtp import write_tiny_mtp
 
 BODY = {"model": "tiny", "temperature": 0, "max_tokens": 48, "ignore_eos": True,
@@ -67,15 +66,6 @@ def speculative(srv: Server, model: str = "tiny") -> dict[str, Any]:
     return dict(info["speculative"])
 
 
-def wait_for(get: Callable[[], dict[str, Any]], pred: Callable[[dict[str, Any]], bool],
-             timeout: float = 15) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while not pred(value := get()):
-        assert time.monotonic() < deadline, value
-        time.sleep(0.1)
-    return value
-
-
 def error_of(r: httpx.Response) -> dict[str, Any]:
     err: dict[str, Any] = r.json()["error"]
     return err
@@ -101,7 +91,7 @@ def test_each_mode_keeps_greedy_output(srv: Server) -> None:
         assert state["draft_max"] == (body.get("draft_max") or body.get("draft_ngram")), state
     # A draft model drafts on every step: the counters moved (the worker
     # reports them with its heartbeat), and /metrics shows them.
-    state = wait_for(lambda: speculative(srv), lambda s: bool(s["draft_tokens"]))
+    state = poll_until(lambda: speculative(srv), lambda s: bool(s["draft_tokens"]))
     assert state["draft_model"] == "tiny-draft" and state["draft_tokens"] > 0, state
     assert 0 <= state["draft_accepted"] <= state["draft_tokens"], state
     assert state["acceptance_rate"] == pytest.approx(state["draft_accepted"] / state["draft_tokens"])
@@ -135,7 +125,7 @@ def test_mtp_keeps_greedy_output(srv: Server) -> None:
         reload(srv, body, "tiny-mtp")
         assert answer(srv, "tiny-mtp") == plain, body
         assert speculative(srv, "tiny-mtp")["mode"] == "mtp"
-    state = wait_for(lambda: speculative(srv, "tiny-mtp"), lambda s: bool(s["draft_tokens"]))
+    state = poll_until(lambda: speculative(srv, "tiny-mtp"), lambda s: bool(s["draft_tokens"]))
     assert state["draft_model"] is None and 0 <= state["draft_accepted"] <= state["draft_tokens"], state
     # Unloaded: the other tests see one worker.
     httpx.post(srv.base_url + "/api/models/tiny-mtp/unload", timeout=60).raise_for_status()

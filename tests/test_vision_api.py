@@ -21,7 +21,7 @@ import pytest
 
 from supervisor.models.library import ModelEntry
 from supervisor.models.placement import PROJECTOR_COMPUTE_ALLOWANCE, projector_bytes
-from tests.server import Server, short_tempdir
+from tests.server import Server, running, short_tempdir
 from tests.tiny_vision import gif, png, write_tiny_text_model, write_tiny_vision_pair
 from worker.protocol import MAX_IMAGE_BYTES, MAX_IMAGES
 
@@ -48,13 +48,9 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     write_tiny_text_model(models / "broken" / "bad.gguf", seed=2)
     # Named like a projector, but a text model: the worker refuses to load it as one.
     write_tiny_text_model(models / "broken" / "mmproj-bad.gguf", seed=3)
-    server = Server(models, state_dir=short_tempdir(), model=MODEL,
-                    env={"GPUVISOR_N_CTX": "2048", "GPUVISOR_MAX_BODY_BYTES": str(40 << 20)})
-    server.start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
+    with running(Server(models, state_dir=short_tempdir(), model=MODEL,
+                        env={"GPUVISOR_N_CTX": "2048", "GPUVISOR_MAX_BODY_BYTES": str(40 << 20)})) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

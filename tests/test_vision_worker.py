@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
-import sys
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from tests.server import REPO, short_tempdir
 from tests.tiny_vision import png, write_tiny_mmproj, write_tiny_vision_pair
+from tests.worker_harness import Worker, spawn_worker
 from worker import protocol as p
 
 RED = png(32, 32, (255, 0, 0))
 NOISE = png(40, 24, seed=3)
-GREEDY = p.SamplingParams(max_tokens=12, temperature=0.0, top_k=1, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -24,62 +21,8 @@ def vision_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return write_tiny_vision_pair(tmp_path_factory.mktemp("vision"))
 
 
-class Worker:
-    def __init__(self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
-        self.proc = proc
-        self.reader = reader
-        self.writer = writer
-        self.codec = p.parent_codec()
-        self.next_id = 1
-
-    async def next_msg(self) -> p.FromWorker:
-        while True:
-            body = await asyncio.wait_for(p.read_frame(self.reader), 60)
-            assert body is not None, "the worker closed the connection"
-            msg = self.codec.decode(body)
-            if not isinstance(msg, p.Heartbeat):
-                return msg  # type: ignore[no-any-return]
-
-    async def generate(self, **fields: object) -> tuple[str, p.Done | p.Error]:
-        """Run one Generate; the text it streamed and its terminal message."""
-        req_id = self.next_id
-        self.next_id += 1
-        fields.setdefault("params", GREEDY)
-        self.writer.write(self.codec.encode(p.Generate(req_id, **fields)))  # type: ignore[arg-type]
-        text = ""
-        while True:
-            msg = await self.next_msg()
-            assert getattr(msg, "id", req_id) == req_id
-            if isinstance(msg, p.Delta):
-                text += msg.text
-            elif isinstance(msg, (p.Done, p.Error)):
-                return text, msg
-
-
-async def _spawn(model: Path, mmproj: Path | None) -> AsyncIterator[tuple[Worker, p.Hello]]:
-    sock = short_tempdir() / "w.sock"
-    conn: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
-        asyncio.get_running_loop().create_future())
-    server = await asyncio.start_unix_server(lambda r, w: conn.set_result((r, w)), path=str(sock))
-    args = ["--mmproj", str(mmproj)] if mmproj is not None else []
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "worker", "--socket", str(sock), "--model", str(model),
-        "--n-ctx", "512", "--threads", "1", "--n-gpu-layers", "0", *args,
-        stdin=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, cwd=REPO)
-    try:
-        reader, writer = await asyncio.wait_for(conn, 60)
-        worker = Worker(proc, reader, writer)
-        hello = await worker.next_msg()
-        assert isinstance(hello, p.Hello), hello
-        yield worker, hello
-        writer.write(worker.codec.encode(p.Shutdown()))
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
-    finally:
-        server.close()
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+def _spawn(model: Path, mmproj: Path | None) -> AbstractAsyncContextManager[tuple[Worker, p.Hello]]:
+    return spawn_worker(model, *(["--mmproj", str(mmproj)] if mmproj is not None else []))
 
 
 def _chat(*parts: p.ContentPart) -> list[p.ChatMessage]:
@@ -88,7 +31,7 @@ def _chat(*parts: p.ContentPart) -> list[p.ChatMessage]:
 
 async def test_images_steer_greedy_output_and_repeat_exactly(vision_pair: tuple[Path, Path]) -> None:
     model, mmproj = vision_pair
-    async for w, hello in _spawn(model, mmproj):
+    async with _spawn(model, mmproj) as (w, hello):
         assert hello.facts.vision and hello.facts.vision_error == ""
         look = _chat(p.TextPart("look: "), p.ImagePart(), p.TextPart(" what is it?"))
         red_text, red = await w.generate(messages=look, images=[RED])
@@ -113,7 +56,7 @@ async def test_bad_images_get_typed_errors_and_the_worker_keeps_serving(
         vision_pair: tuple[Path, Path]) -> None:
     model, mmproj = vision_pair
     one = _chat(p.TextPart("x"), p.ImagePart())
-    async for w, _ in _spawn(model, mmproj):
+    async with _spawn(model, mmproj) as (w, _):
         cases: list[tuple[dict[str, object], str]] = [
             ({"messages": one, "images": [b"this is not an image"]}, "invalid_image"),
             # Right magic bytes, undecodable body: refused by the engine's decoder.
@@ -135,7 +78,7 @@ async def test_bad_images_get_typed_errors_and_the_worker_keeps_serving(
 
 async def test_cancel_stops_a_generation_with_images(vision_pair: tuple[Path, Path]) -> None:
     model, mmproj = vision_pair
-    async for w, _ in _spawn(model, mmproj):
+    async with _spawn(model, mmproj) as (w, _):
         long = p.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         w.writer.write(w.codec.encode(p.Generate(99, long, messages=_chat(p.ImagePart()), images=[RED])))
         assert isinstance(await w.next_msg(), p.Started)
@@ -150,7 +93,7 @@ async def test_cancel_stops_a_generation_with_images(vision_pair: tuple[Path, Pa
 
 async def test_a_model_without_projector_refuses_images(vision_pair: tuple[Path, Path]) -> None:
     model, _ = vision_pair
-    async for w, hello in _spawn(model, None):
+    async with _spawn(model, None) as (w, hello):
         assert not hello.facts.vision and hello.facts.vision_error == ""
         _, end = await w.generate(messages=_chat(p.ImagePart()), images=[RED])
         assert isinstance(end, p.Error) and end.code == "vision_unavailable"
@@ -174,7 +117,7 @@ async def test_a_projector_that_fails_to_load_leaves_text_serving(
         bad.write_bytes(good.read_bytes().replace(b"clip.vision.image_mean", b"clip.vision.image_xxxx"))
     else:
         bad.write_bytes(b"GGUF" + b"\x00" * 64)
-    async for w, hello in _spawn(model, bad):
+    async with _spawn(model, bad) as (w, hello):
         assert not hello.facts.vision
         assert bad.name in hello.facts.vision_error
         _, end = await w.generate(messages=_chat(p.ImagePart()), images=[RED])
@@ -186,7 +129,7 @@ async def test_a_projector_that_fails_to_load_leaves_text_serving(
 
 async def test_logprobs_and_grammars_work_with_images(vision_pair: tuple[Path, Path]) -> None:
     model, mmproj = vision_pair
-    async for w, _ in _spawn(model, mmproj):
+    async with _spawn(model, mmproj) as (w, _):
         msgs = _chat(p.ImagePart(), p.TextPart(" describe"))
         text, done = await w.generate(messages=msgs, images=[RED],
                                       params=p.SamplingParams(max_tokens=4, temperature=0.0, logprobs=2))

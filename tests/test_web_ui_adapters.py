@@ -5,7 +5,6 @@ with the reason."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +17,7 @@ from jobs.hf_convert import convert
 from jobs.lora_export import convert_adapter
 from tests.browser import DESKTOP, new_page
 from tests.lora_support import random_adapter
-from tests.server import Server, running, short_tempdir
+from tests.server import Server, poll_until, running, short_tempdir
 from tests.tiny_hf import build_tiny_model, write_chat_dataset
 
 pytestmark = pytest.mark.timeout(240)
@@ -52,10 +51,8 @@ def _finetune(srv: Server) -> str:
     r = httpx.post(srv.base_url + "/api/jobs", json={"kind": "finetune", "params": params}, timeout=30)
     assert r.status_code == 201, r.text
     job_id = str(r.json()["id"])
-    deadline = time.monotonic() + 180
-    while (job := httpx.get(f"{srv.base_url}/api/jobs/{job_id}", timeout=10).json())["status"] in ("queued", "running"):
-        assert time.monotonic() < deadline, job
-        time.sleep(0.2)
+    job = poll_until(lambda: httpx.get(f"{srv.base_url}/api/jobs/{job_id}", timeout=10).json(),
+                     lambda j: j["status"] not in ("queued", "running"), timeout=180, interval=0.2)
     assert job["status"] == "succeeded", job
     return job_id
 

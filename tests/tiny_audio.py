@@ -23,11 +23,17 @@ import io
 import wave
 from pathlib import Path
 
-import gguf
 import numpy as np
 
 from supervisor.models.demo import finish_gguf
-from tests.tiny_vision import TEXT_EMBD, write_tiny_text_model
+from tests.tiny_vision import (
+    TEXT_EMBD,
+    add_encoder_blocks,
+    clip_writer,
+    ones,
+    write_tiny_text_model,
+    zeros,
+)
 
 # The engine's audio rate and mel hop (samples).
 SAMPLE_RATE = 16000
@@ -60,29 +66,12 @@ def write_tiny_audio_mmproj(
     rng = np.random.default_rng(seed)
     n_pos = WINDOW_FRAMES // 2
     tmp = path.with_name(path.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), "clip")
-    w.add_name("tiny-random-audio-mmproj")
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_bool("clip.has_vision_encoder", False)
-    w.add_bool("clip.has_audio_encoder", True)
-    w.add_string("clip.projector_type", "qwen2a")
-    w.add_bool("clip.use_gelu", True)
+    w = clip_writer(tmp, "tiny-random-audio-mmproj", "audio", "qwen2a", n_embd=n_embd, n_ff=n_ff,
+                    n_layer=n_layer, n_head=n_head, text_embd=text_embd, eps=1e-5)
     w.add_uint32("clip.audio.num_mel_bins", n_mel)
-    w.add_uint32("clip.audio.embedding_length", n_embd)
-    w.add_uint32("clip.audio.feed_forward_length", n_ff)
-    w.add_uint32("clip.audio.block_count", n_layer)
-    w.add_uint32("clip.audio.projection_dim", text_embd)
-    w.add_uint32("clip.audio.attention.head_count", n_head)
-    w.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-5)
 
     def rand(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.2).astype(np.float32)
-
-    def ones(n: int) -> np.ndarray:
-        return np.ones(n, dtype=np.float32)
-
-    def zeros(*shape: int) -> np.ndarray:
-        return np.zeros(shape, dtype=np.float32)
 
     # Conv kernels ne = [kernel, in_channels, out_channels]; their biases are
     # ne = [1, out_channels] so they broadcast over the frames.
@@ -91,20 +80,7 @@ def write_tiny_audio_mmproj(
     w.add_tensor("a.conv1d.2.weight", rand(n_embd, n_embd, 3))
     w.add_tensor("a.conv1d.2.bias", zeros(n_embd, 1))
     w.add_tensor("a.position_embd.weight", rand(n_pos, n_embd))
-    for i in range(n_layer):
-        b = f"a.blk.{i}"
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.add_tensor(f"{b}.{name}.weight", rand(n_embd, n_embd))
-            if name != "attn_k":  # whisper's key projection has no bias
-                w.add_tensor(f"{b}.{name}.bias", zeros(n_embd))
-        for name in ("ln1", "ln2"):
-            w.add_tensor(f"{b}.{name}.weight", ones(n_embd))
-            w.add_tensor(f"{b}.{name}.bias", zeros(n_embd))
-        # n_ff != n_embd, as in tests/tiny_vision.py (the loader's up/down swap).
-        w.add_tensor(f"{b}.ffn_up.weight", rand(n_ff, n_embd))
-        w.add_tensor(f"{b}.ffn_up.bias", zeros(n_ff))
-        w.add_tensor(f"{b}.ffn_down.weight", rand(n_embd, n_ff))
-        w.add_tensor(f"{b}.ffn_down.bias", zeros(n_embd))
+    add_encoder_blocks(w, rand, "a", n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, key_bias=False)
     w.add_tensor("a.post_ln.weight", ones(n_embd))
     w.add_tensor("a.post_ln.bias", zeros(n_embd))
     w.add_tensor("mm.a.fc.weight", rand(text_embd, n_embd))

@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from supervisor.models.demo import CHATML_TEMPLATE, _vocab, finish_gguf
+from supervisor.models.demo import CHATML_TEMPLATE, _vocab, add_tokenizer, finish_gguf
 
 
 def write_tiny_gemma3(
@@ -56,16 +56,7 @@ def write_tiny_gemma3(
     w.add_rope_freq_base(1_000_000.0)
     w.add_sliding_window(sliding_window)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    add_tokenizer(w, tokens, scores, types, CHATML_TEMPLATE)
 
     def rand(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.1).astype(np.float32)

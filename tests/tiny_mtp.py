@@ -16,7 +16,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from supervisor.models.demo import CHATML_TEMPLATE, _vocab, finish_gguf
+from supervisor.models.demo import CHATML_TEMPLATE, _vocab, add_tokenizer, finish_gguf
 
 ARCH = "glm4moe"
 
@@ -43,16 +43,7 @@ def _header(w: gguf.GGUFWriter, *, n_layer: int, n_embd: int, n_head: int, n_hea
     w.add_uint32(f"{ARCH}.nextn_predict_layers", 1)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     tokens, scores, types = _vocab(200)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    add_tokenizer(w, tokens, scores, types, CHATML_TEMPLATE)
 
 
 def write_tiny_mtp(path: Path, *, seed: int = 0, n_layer: int = 3, n_embd: int = 64, n_head: int = 4,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -34,6 +35,54 @@ def write_tiny_text_model(path: Path, *, seed: int = 0, n_embd: int = TEXT_EMBD,
                            name="tiny-random-vl")
 
 
+def ones(n: int) -> np.ndarray:
+    return np.ones(n, dtype=np.float32)
+
+
+def zeros(*shape: int) -> np.ndarray:
+    return np.zeros(shape, dtype=np.float32)
+
+
+def clip_writer(tmp: Path, name: str, modality: str, projector_type: str, *, n_embd: int, n_ff: int,
+                n_layer: int, n_head: int, text_embd: int, eps: float) -> gguf.GGUFWriter:
+    """A projector file's writer with the keys llama.cpp's clip loader reads
+    for a ``modality`` ("vision" or "audio") encoder."""
+    w = gguf.GGUFWriter(str(tmp), "clip")
+    w.add_name(name)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_bool("clip.has_vision_encoder", modality == "vision")
+    w.add_bool("clip.has_audio_encoder", modality == "audio")
+    w.add_string("clip.projector_type", projector_type)
+    w.add_bool("clip.use_gelu", True)
+    w.add_uint32(f"clip.{modality}.embedding_length", n_embd)
+    w.add_uint32(f"clip.{modality}.feed_forward_length", n_ff)
+    w.add_uint32(f"clip.{modality}.block_count", n_layer)
+    w.add_uint32(f"clip.{modality}.projection_dim", text_embd)
+    w.add_uint32(f"clip.{modality}.attention.head_count", n_head)
+    w.add_float32(f"clip.{modality}.attention.layer_norm_epsilon", eps)
+    return w
+
+
+def add_encoder_blocks(w: gguf.GGUFWriter, rand: Callable[..., np.ndarray], prefix: str, *, n_layer: int,
+                       n_embd: int, n_ff: int, key_bias: bool = True) -> None:
+    """The encoder's pre-norm transformer blocks (``v.blk.N`` or ``a.blk.N``)."""
+    for i in range(n_layer):
+        b = f"{prefix}.blk.{i}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.add_tensor(f"{b}.{name}.weight", rand(n_embd, n_embd))
+            if key_bias or name != "attn_k":  # whisper's key projection has no bias
+                w.add_tensor(f"{b}.{name}.bias", zeros(n_embd))
+        for name in ("ln1", "ln2"):
+            w.add_tensor(f"{b}.{name}.weight", ones(n_embd))
+            w.add_tensor(f"{b}.{name}.bias", zeros(n_embd))
+        # n_ff != n_embd: the loader swaps up/down of old files whose down
+        # projection's input width equals n_embd.
+        w.add_tensor(f"{b}.ffn_up.weight", rand(n_ff, n_embd))
+        w.add_tensor(f"{b}.ffn_up.bias", zeros(n_ff))
+        w.add_tensor(f"{b}.ffn_down.weight", rand(n_embd, n_ff))
+        w.add_tensor(f"{b}.ffn_down.bias", zeros(n_embd))
+
+
 def write_tiny_mmproj(
     path: Path,
     *,
@@ -51,32 +100,15 @@ def write_tiny_mmproj(
     rng = np.random.default_rng(seed)
     n_pos = (image_size // patch_size) ** 2
     tmp = path.with_name(path.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), "clip")
-    w.add_name("tiny-random-mmproj")
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_bool("clip.has_vision_encoder", True)
-    w.add_bool("clip.has_audio_encoder", False)
-    w.add_string("clip.projector_type", "mlp")
-    w.add_bool("clip.use_gelu", True)
+    w = clip_writer(tmp, "tiny-random-mmproj", "vision", "mlp", n_embd=n_embd, n_ff=n_ff,
+                    n_layer=n_layer, n_head=n_head, text_embd=text_embd, eps=1e-6)
     w.add_uint32("clip.vision.image_size", image_size)
     w.add_uint32("clip.vision.patch_size", patch_size)
-    w.add_uint32("clip.vision.embedding_length", n_embd)
-    w.add_uint32("clip.vision.feed_forward_length", n_ff)
-    w.add_uint32("clip.vision.block_count", n_layer)
-    w.add_uint32("clip.vision.projection_dim", text_embd)
-    w.add_uint32("clip.vision.attention.head_count", n_head)
-    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
     w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
 
     def rand(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.2).astype(np.float32)
-
-    def ones(n: int) -> np.ndarray:
-        return np.ones(n, dtype=np.float32)
-
-    def zeros(n: int) -> np.ndarray:
-        return np.zeros(n, dtype=np.float32)
 
     # Conv kernel ne = [patch, patch, 3, n_embd].
     w.add_tensor("v.patch_embd.weight", rand(n_embd, 3, patch_size, patch_size))
@@ -84,20 +116,7 @@ def write_tiny_mmproj(
     w.add_tensor("v.position_embd.weight", rand(n_pos, n_embd))
     w.add_tensor("v.pre_ln.weight", ones(n_embd))
     w.add_tensor("v.pre_ln.bias", zeros(n_embd))
-    for i in range(n_layer):
-        b = f"v.blk.{i}"
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.add_tensor(f"{b}.{name}.weight", rand(n_embd, n_embd))
-            w.add_tensor(f"{b}.{name}.bias", zeros(n_embd))
-        for name in ("ln1", "ln2"):
-            w.add_tensor(f"{b}.{name}.weight", ones(n_embd))
-            w.add_tensor(f"{b}.{name}.bias", zeros(n_embd))
-        # n_ff != n_embd: the loader swaps up/down of old files whose down
-        # projection's input width equals n_embd.
-        w.add_tensor(f"{b}.ffn_up.weight", rand(n_ff, n_embd))
-        w.add_tensor(f"{b}.ffn_up.bias", zeros(n_ff))
-        w.add_tensor(f"{b}.ffn_down.weight", rand(n_embd, n_ff))
-        w.add_tensor(f"{b}.ffn_down.bias", zeros(n_embd))
+    add_encoder_blocks(w, rand, "v", n_layer=n_layer, n_embd=n_embd, n_ff=n_ff)
     w.add_tensor("mm.0.weight", rand(proj_hidden, n_embd))
     w.add_tensor("mm.0.bias", zeros(proj_hidden))
     w.add_tensor("mm.2.weight", rand(text_embd, proj_hidden))

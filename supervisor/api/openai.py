@@ -35,7 +35,12 @@ from supervisor.generation.profile import profile_for
 from supervisor.models.library import ModelEntry
 from supervisor.models.projector import Modalities, projector_modalities
 from supervisor.responses.items import new_id
-from supervisor.responses.logprobs import LogprobEntry, TextLogprobs, chat_logprobs, completion_logprobs
+from supervisor.responses.logprobs import (
+    LogprobEntry,
+    TextLogprobs,
+    chat_logprobs,
+    completion_logprobs,
+)
 from supervisor.responses.runner import Plan, tool_plan
 from supervisor.workers.pool import Generation, WorkerPool
 from supervisor.workers.replies import Blame, Rejected

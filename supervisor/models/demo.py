@@ -83,7 +83,7 @@ def write_tiny_gguf(
     w.add_rope_dimension_count(n_embd // n_head)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _add_tokenizer(w, tokens, scores, types, chat_template)
+    add_tokenizer(w, tokens, scores, types, chat_template)
     _add_tensors(w, np.random.default_rng(seed), n_vocab=len(tokens), n_embd=n_embd, n_layer=n_layer,
                  n_embd_kv=n_embd // n_head * n_head_kv, n_ff=n_ff)
     return finish_gguf(w, tmp, path)
@@ -100,8 +100,9 @@ def finish_gguf(w: gguf.GGUFWriter, tmp: Path, path: Path) -> Path:
     return path
 
 
-def _add_tokenizer(w: gguf.GGUFWriter, tokens: list[str], scores: list[float], types: list[int],
-                   chat_template: str | None) -> None:
+def add_tokenizer(w: gguf.GGUFWriter, tokens: list[str], scores: list[float], types: list[int],
+                  chat_template: str | None) -> None:
+    """The demo vocabulary (``_vocab``) as a llama SPM tokenizer, with its template."""
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)

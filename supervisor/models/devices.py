@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import msgspec
 
@@ -45,11 +46,10 @@ class GpuReading(msgspec.Struct, frozen=True, kw_only=True):
         return f"cuda:{self.index}"
 
 
-class DeviceSource:
-    """Base of the sources: ``read()`` gives the GPUs the parent may use."""
+class DeviceSource(Protocol):
+    """What every source offers: ``read()`` gives the GPUs the parent may use."""
 
-    def read(self) -> list[GpuReading]:
-        raise NotImplementedError
+    def read(self) -> list[GpuReading]: ...
 
 
 def parse_gpu_csv(text: str) -> list[GpuReading]:
@@ -83,7 +83,7 @@ def run_smi() -> str:
     return run_nvidia_smi(SMI_QUERY, SMI_TIMEOUT_S)
 
 
-class SmiSource(DeviceSource):
+class SmiSource:
     """Readings from ``nvidia-smi`` (or recorded output of it: ``run``)."""
 
     def __init__(self, run: Callable[[], str] = run_smi,
@@ -101,7 +101,7 @@ class SmiSource(DeviceSource):
         return select_visible(parse_gpu_csv(text), self._environ)
 
 
-class RecordedSource(DeviceSource):
+class RecordedSource:
     """Readings replayed in order: recorded nvidia-smi CSV text or NVML-like
     lists of :class:`GpuReading`. Each read takes the next; the last repeats."""
 
