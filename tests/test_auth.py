@@ -120,7 +120,7 @@ def test_ui_login_cookie_and_csrf(secured: Server) -> None:
 def test_security_headers_and_request_id(secured: Server) -> None:
     r = httpx.get(secured.base_url + "/healthz", headers={"X-Request-Id": "trace-42"})
     assert r.headers["X-Content-Type-Options"] == "nosniff"
-    assert r.headers["Referrer-Policy"] == "no-referrer"
+    assert r.headers["Referrer-Policy"] == "same-origin"
     assert "script-src 'self'" in r.headers["Content-Security-Policy"]
     assert "unsafe-inline" not in r.headers["Content-Security-Policy"]
     assert r.headers["X-Request-Id"] == "trace-42"

@@ -86,7 +86,7 @@ async def test_index_headers_and_hashed_references(base: tuple[str, int]) -> Non
     assert "script-src 'self'" in csp and "style-src 'self'" in csp and "unsafe-inline" not in csp
     assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp
     assert r.headers["x-content-type-options"] == "nosniff"
-    assert r.headers["referrer-policy"] == "no-referrer"
+    assert r.headers["referrer-policy"] == "same-origin"
     html = r.body.decode()
     # No inline script or style, no external references.
     assert not re.search(r"<script(?![^>]*\bsrc=)", html)
@@ -171,6 +171,7 @@ def test_asset_table_skips_symlinks_dotfiles_and_unknown_types(tmp_path: Path) -
     static = root / "static"
     static.mkdir(parents=True)
     (root / "index.html").write_text('<script type="module" src="static/a.js"></script>')
+    (root / "login.html").write_text('<link rel="stylesheet" href="static/b.js">')
     (static / "a.js").write_text('import { b } from "./b.js";\nimport "./missing.js";\n')
     (static / "b.js").write_text('import { a } from "./a.js";\nexport const b = 1;\n')  # a cycle
     (static / "link.js").symlink_to(outside)

@@ -22,8 +22,10 @@ from tests.browser import (
     DESKTOP,
     NARROW,
     PageWatch,
+    new_page,
     save_screens,
 )
+from tests.gate_proxy import gate_proxy
 from tests.server import Server
 
 pytestmark = pytest.mark.timeout(90)
@@ -187,46 +189,56 @@ def test_cancel_running_job_from_its_page(page: tuple[Any, PageWatch], server: S
     watch.check()
 
 
-def test_chat_streams_text_and_shows_usage(page: tuple[Any, PageWatch], server: Server, screens: Path) -> None:
-    pg, watch = page
+def test_chat_streams_text_and_shows_usage(browser: Any, server: Server, screens: Path) -> None:
+    # Behind a proxy that holds the stream after its first text delta: the
+    # page must show that part of the answer before the rest arrives, an
+    # event the test waits for, so a busy machine cannot make it race.
+    with gate_proxy(server.base_url, b"response.output_text.delta") as gate:
+        base = f"http://127.0.0.1:{gate.port}"
+        context, pg, watch = new_page(browser, base)
+        try:
+            _chat_streams_in_parts(pg, base, server, screens, gate)
+        finally:
+            context.close()
+    watch.check(allow=("404",))
+
+
+def _chat_streams_in_parts(pg: Any, base: str, server: Server, screens: Path, gate: Any) -> None:
     posts: list[str] = []
 
     def on_request(r: Any) -> None:
         if r.method == "POST":
-            posts.append(r.url.split(server.base_url, 1)[-1])
+            posts.append(r.url.split(base, 1)[-1])
 
     def long_answer(route: Any) -> None:
-        # The tiny model soon says EOS and streams faster than the screen
-        # refreshes; run it to the token limit so the answer spans many frames
-        # (a test-only body change; servers without ignore_eos drop it).
+        # The tiny model soon says EOS; run it to the token limit so the
+        # answer goes on past the held part (a test-only body change).
         body = json.loads(route.request.post_data or "{}")
         body["ignore_eos"] = True
         route.continue_(post_data=json.dumps(body))
 
     pg.on("request", on_request)
     pg.route(re.compile(r"/v1/(responses|chat/completions)$"), long_answer)
-    open_page(pg, server, "/chat")
+    pg.goto(f"{base}/#/chat")
+    pg.wait_for_selector("main h1")
     pg.locator("#chat-model option", has_text=server.model).wait_for(state="attached")
     pg.locator("#chat-max-tokens").fill("150")
-    # Record the answer's length each time the page redraws it while it streams.
-    pg.evaluate("""() => {
-        window.__lengths = [];
-        new MutationObserver(() => {
-            const el = document.querySelector('.msg.assistant:last-child .answer-text');
-            if (el) window.__lengths.push(el.textContent.length);
-        }).observe(document.querySelector('.transcript'), {subtree: true, childList: true, characterData: true});
-    }""")
     pg.locator("#chat-input").fill("Tell me a story")
     pg.locator("#chat-input").press("Enter")
     answer = pg.locator(".msg.assistant").last
     usage = answer.locator(".usage")
+    assert gate.held.wait(30), "the answer never streamed a text delta"
+    pg.wait_for_function("""() => {
+        const msg = document.querySelector('.msg.assistant:last-child');
+        return (msg?.querySelector('.answer-text')?.textContent.length || 0) > 0;
+    }""")
+    partial = answer.locator(".answer-text").evaluate("el => el.textContent.length")
+    assert not re.search(r"\bout\b", usage.inner_text() if usage.count() else ""), "usage before the end"
+    gate.release()
     pg.wait_for_function("() => /out/.test(document.querySelector('.msg.assistant:last-child .usage')?.textContent || '')")
-    text = answer.locator(".answer-text").inner_text()
-    assert text.strip(), "streamed text is shown"
     assert re.search(r"\d+ in · \d+ out", usage.inner_text()), usage.inner_text()
-    lengths = pg.evaluate("window.__lengths")
     final = answer.locator(".answer-text").evaluate("el => el.textContent.length")
-    assert any(0 < n < final for n in lengths), f"part of the answer showed before the end: {lengths}"
+    assert 0 < partial < final, f"part of the answer showed before the end: {partial} of {final}"
     pg.screenshot(path=str(screens / "chat-answer.png"))
     # /v1/responses when the server has it, else the chat-completions fallback (and the page says so).
     assert posts[0] == "/v1/responses"
@@ -240,7 +252,6 @@ def test_chat_streams_text_and_shows_usage(page: tuple[Any, PageWatch], server: 
             pg.locator("#chat-input").press("Enter")
         assert json.loads(req.value.post_data)["previous_response_id"].startswith("resp")
         pg.locator(".msg.assistant").nth(1).locator(".usage", has_text="out").wait_for()
-    watch.check(allow=("404",))
 
 
 def test_stop_button_cancels_generation(browser: Any, start_server: Any, tiny_model_path: Path) -> None:

@@ -284,23 +284,38 @@ class Auth:
 
     def check_origin(self, request: web.Request) -> None:
         """CSRF: cookies are ambient, so a cross-site state change is refused.
-        A request with an Authorization header cannot be forged by a page."""
+        A request with an Authorization header cannot be forged by a page.
+
+        ``Sec-Fetch-Site`` is set by the browser and no page can forge it, so
+        where it is present it decides: ``same-origin`` passes (whatever the
+        Origin says: ``null`` too, as sent under a strict referrer policy, and
+        a proxy that rewrote Host does not matter, since the browser compared
+        the origins it saw); ``same-site`` (a sibling port or subdomain) and
+        ``cross-site`` are refused unless the Origin is an allowed one.
+        Without the header (an older browser, a non-browser client) a present
+        Origin must be ours or an allowed one, and ``null`` is refused."""
         if request.method in SAFE_METHODS or "Authorization" in request.headers:
             return
         origin = request.headers.get("Origin")
-        if origin is None:
-            if request.headers.get("Sec-Fetch-Site") == "cross-site":
-                raise Forbidden("cross-site request refused", code="csrf_origin")
+        site = request.headers.get("Sec-Fetch-Site")
+        if site in ("same-origin", "none"):  # none: the user's own navigation
             return
+        if origin is not None and origin.rstrip("/") in self.allowed_origins:
+            return
+        if site is not None:
+            raise Forbidden(f"{site} request refused: only this service's own pages may change state",
+                            code="csrf_origin")
         own = f"{request.scheme}://{request.host}"
-        if origin.rstrip("/") != own and origin.rstrip("/") not in self.allowed_origins:
+        if origin is not None and origin.rstrip("/") != own:
             raise Forbidden(f"request from origin {origin!r} refused (expected {own})",
                             code="csrf_origin")
 
     @staticmethod
     def required_role(request: web.Request) -> Role | None:
         path = request.path
-        if path in OPEN_PATHS:
+        # The UI's own files hold no data (the same in every install), and the
+        # sign-in page needs its stylesheet before anyone has signed in.
+        if path in OPEN_PATHS or path.startswith("/static/"):
             return None
         # Any key may read the API description: clients generate code from it.
         if path.startswith("/v1/") or path in ("/metrics", "/openapi.json"):

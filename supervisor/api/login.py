@@ -4,29 +4,35 @@ cookie) and ``POST /logout``."""
 from __future__ import annotations
 
 import asyncio
+import html
 from collections.abc import Mapping
 
 from aiohttp import web
 
-from supervisor.appkeys import AUTH, CONFIG
+from supervisor.appkeys import ASSETS, AUTH, CONFIG
 from supervisor.errors import PayloadTooLarge, RequestTimeout
 
 SESSION_COOKIE = "gpuvisor_session"
 # The login form is one token: a few KiB, not the API's body limit.
 LOGIN_MAX_BYTES = 4096
 
-_LOGIN_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>gpuvisor: sign in</title></head>
-<body><main><h1>gpuvisor</h1>
-<form method="post" action="login">
-<label>Admin token <input type="password" name="token" autocomplete="current-password" required></label>
-<button type="submit">Sign in</button>
-</form>%s</main></body></html>
-"""
+# Where web/login.html says a word to the user (a wrong token).
+_MESSAGE_SLOT = b"<!--MESSAGE-->"
+
+
+def _page(request: web.Request, message: str = "", status: int = 200) -> web.Response:
+    """web/login.html, built with the UI's assets (styled like the UI, light and
+    dark), with ``message`` (our own fixed text, escaped anyway) in its slot."""
+    body = request.app[ASSETS].login.body
+    if message:
+        body = body.replace(_MESSAGE_SLOT, f'<p class="notice error" role="alert">{html.escape(message)}</p>'.encode())
+    # Never cached: the page is tiny and a stale copy would point at old assets.
+    return web.Response(body=body, status=status, content_type="text/html", charset="utf-8",
+                        headers={"Cache-Control": "no-store"})
 
 
 async def login_page(request: web.Request) -> web.Response:
-    return web.Response(text=_LOGIN_PAGE % "", content_type="text/html")
+    return _page(request)
 
 
 async def _login_form(request: web.Request) -> Mapping[str, object]:
@@ -49,7 +55,7 @@ async def login(request: web.Request) -> web.StreamResponse:
     auth = request.app[AUTH]
     token = (await _login_form(request)).get("token")
     if not await auth.check_admin_token(token if isinstance(token, str) else "", request.remote or ""):
-        return web.Response(text=_LOGIN_PAGE % "<p>Wrong token.</p>", status=401, content_type="text/html")
+        return _page(request, "Wrong token.", status=401)
     # Relative redirects keep working when a proxy serves us under a path.
     resp = web.Response(status=303, headers={"Location": "./"})
     resp.set_cookie(SESSION_COOKIE, auth.new_session(), httponly=True, samesite="Strict",

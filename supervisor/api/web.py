@@ -25,6 +25,7 @@ from aiohttp import web
 
 import web as web_pkg
 from supervisor.api import schema as routes_schema
+from supervisor.api.browser import REFERRER_POLICY
 from supervisor.appkeys import ASSETS
 from supervisor.errors import NotFound
 
@@ -56,7 +57,7 @@ CSP = "; ".join([
 SECURITY_HEADERS = {
     "Content-Security-Policy": CSP,
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    "Referrer-Policy": REFERRER_POLICY,
     "X-Frame-Options": "DENY",
     "Cross-Origin-Opener-Policy": "same-origin",
 }
@@ -100,9 +101,14 @@ class AssetTable:
         self.assets: dict[str, Asset] = {}
         for name in sorted(self._raw):
             self._build(name, set())
-        html = (root / "index.html").read_bytes().replace(_VERSION_TOKEN, version.encode())
+        self.index = self._page(root / "index.html", version)
+        # The sign-in page shares the UI's stylesheet, so it is built the same way.
+        self.login = self._page(root / "login.html", version)
+
+    def _page(self, path: Path, version: str) -> Asset:
+        html = path.read_bytes().replace(_VERSION_TOKEN, version.encode())
         body = self._rewrite(html, _HTML_REF, lambda m: self._ref(m.group(2), set()), 2)
-        self.index = Asset(body, _digest(body), "text/html; charset=utf-8")
+        return Asset(body, _digest(body), "text/html; charset=utf-8")
 
     @staticmethod
     def _scan(static: Path) -> dict[str, bytes]:
