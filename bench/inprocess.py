@@ -16,7 +16,8 @@ from typing import Any
 
 import xllamacpp
 
-from worker.engine_params import PREFILL_BATCH, EngineOptions
+from worker.engine_api import EngineOptions
+from worker.engine_params import PREFILL_BATCH
 from worker.engine_params import engine_params as worker_engine_params
 
 __all__ = ["PREFILL_BATCH", "engine_params"]

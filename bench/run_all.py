@@ -108,6 +108,14 @@ def summarize_jobs(run: BenchRun) -> None:
             run.summary.append((label, " ".join(value.split())))
 
 
+def summarize_grammar(run: BenchRun) -> None:
+    """First-token latency per schema and grammar, and its ratio to no schema."""
+    for line in run.output.splitlines():
+        found = re.match(r"(small|large) \(.*?\)\s+(GBNF|LLGuidance, \w+ schema).*?\s([\d.]+ ms)\s+([\d.]+x)", line)
+        if found:
+            run.summary.append((f"first token, {found[1]} schema, {found[2]}", f"{found[3]} ({found[4]} vs none)"))
+
+
 def summarize_engine(run: BenchRun) -> None:
     out = run.output
     for label, pattern in (
@@ -362,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     engine = run_script("engine: gpuvisor vs the engine in-process", engine_args, 900)
     summarize_engine(engine)
     runs.append(engine)
+
+    grammar = run_script("grammar cost: LLGuidance vs GBNF",
+                         ["-m", "bench.grammar_cost", "--runs", "10" if args.quick else "30"], 600)
+    summarize_grammar(grammar)
+    runs.append(grammar)
 
     jobs_args = ["-m", "bench.jobs"] + (["--submits", "300", "--events", "20000"] if args.quick else [])
     jobs = run_script("lab jobs", jobs_args, 900)

@@ -22,7 +22,7 @@ from pathlib import Path
 from tests.tiny_vision import png, write_tiny_mmproj, write_tiny_text_model
 from worker import protocol as p
 from worker.engine import Engine
-from worker.engine_params import EngineOptions
+from worker.engine_api import EngineOptions
 
 
 def _run(engine: Engine, req: p.Generate) -> p.Done:

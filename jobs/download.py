@@ -58,6 +58,7 @@ from jobs.download_plan import (
 )
 from jobs.events import JobIO
 from jobs.gguf_names import hf_model_id
+from jobs.hub_advice import hub_unreachable, hub_unreachable_help
 
 CHUNK_BYTES = 1024 * 1024
 PROGRESS_INTERVAL_S = 0.5
@@ -214,7 +215,16 @@ def run(io: JobIO, params: DownloadParams, ctx: JobContext) -> dict[str, object]
         return _run(io, params, token)
     except (OSError, httpx2.HTTPError, HFValidationError) as exc:
         # Hub, network and disk errors: a clear failure, never the token.
-        raise JobError(redact(f"{type(exc).__name__}: {exc}", token)) from None
+        raw = redact(f"{type(exc).__name__}: {exc}", token)
+        if not hub_unreachable(exc):
+            raise JobError(raw) from None
+        # No Hub at all: the error says what to do instead, the log keeps the raw one.
+        from huggingface_hub import constants
+
+        io.log(raw)
+        print(raw, file=sys.stderr)  # the job's log file: the job page shows its tail
+        advice = hub_unreachable_help(constants.ENDPOINT, ctx.models_dir, str(hub_cache_dir()))
+        raise JobError("\n".join(advice)) from None
 
 
 def _run(io: JobIO, params: DownloadParams, token: str | None) -> dict[str, object]:

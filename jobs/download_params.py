@@ -9,9 +9,12 @@ import re
 
 import msgspec
 
+from jobs.errors import FieldValueError
 from jobs.params import JobParams
 
-_REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+# owner/name: the Hub's canonical ids without an owner ("gpt2") redirect to
+# an owned repo; a bare word is far more often a typo than one of those.
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 _QUANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_]{0,31}$")
 _REVISION = re.compile(r"^[\w./-]{1,200}$")
 
@@ -36,18 +39,19 @@ class DownloadParams(JobParams):
 
     def __post_init__(self) -> None:
         if not _REPO_ID.fullmatch(self.repo_id) or ".." in self.repo_id:
-            raise ValueError(f"invalid repo_id {self.repo_id!r} (expected owner/name)")
+            raise FieldValueError(f"repo_id {self.repo_id!r} is not a Hub repository: expected owner/name, "
+                                  "e.g. Qwen/Qwen2.5-0.5B-Instruct-GGUF", field="repo_id")
         # huggingface_hub joins the revision into a cache path (refs/<revision>):
         # a leading "/" would make that path absolute.
         if not _REVISION.fullmatch(self.revision) or ".." in self.revision or self.revision.startswith("/"):
-            raise ValueError(f"invalid revision {self.revision!r}")
+            raise FieldValueError(f"invalid revision {self.revision!r}", field="revision")
         if self.quant is not None and not _QUANT.fullmatch(self.quant):
-            raise ValueError(f"invalid quant {self.quant!r} (expected a name such as Q4_K_M)")
+            raise FieldValueError(f"invalid quant {self.quant!r} (expected a name such as Q4_K_M)", field="quant")
         if self.quant is not None and self.patterns:
-            raise ValueError("give either patterns or quant, not both")
+            raise FieldValueError("give either patterns or quant, not both", field="patterns")
         for pattern in self.patterns:
             if not pattern or pattern.startswith("/") or ".." in pattern.split("/"):
-                raise ValueError(f"invalid pattern {pattern!r}")
+                raise FieldValueError(f"invalid pattern {pattern!r}", field="patterns")
 
 
 def parse_download_params(params: dict[str, object]) -> DownloadParams:
@@ -56,7 +60,8 @@ def parse_download_params(params: dict[str, object]) -> DownloadParams:
 
 
 def parse_pull_spec(spec: str) -> DownloadParams:
-    """``REPO[:QUANT]`` or ``REPO@REVISION[:QUANT]`` as typed on the command line."""
+    """``REPO[:QUANT]`` or ``REPO@REVISION[:QUANT]`` as typed on the command line;
+    raises :class:`FieldValueError` naming the part that is wrong."""
     repo, _, quant = spec.partition(":")
     repo, _, revision = repo.partition("@")
     return DownloadParams(repo_id=repo, revision=revision or "main", quant=quant or None)

@@ -27,10 +27,26 @@ class ParamError(Exception):
         self.code = code
 
 
+class FieldValueError(ValueError):
+    """A struct's own check (``__post_init__``) refused one field's value.
+
+    msgspec reports such an error at the struct, not at the field, and keeps
+    this exception as the cause: :func:`validation_param` adds ``field``."""
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def validation_param(exc: msgspec.ValidationError) -> str | None:
-    """The dotted field path msgspec reports for a validation error."""
+    """The dotted field path msgspec reports for a validation error (with
+    the field a :class:`FieldValueError` named, when one caused it)."""
     found = _AT.search(str(exc))
-    return found.group(1) if found else None
+    at = found.group(1) if found else None
+    cause = exc.__cause__
+    if isinstance(cause, FieldValueError):
+        return f"{at}.{cause.field}" if at else cause.field
+    return at
 
 
 def unknown_field(exc: msgspec.ValidationError) -> str | None:

@@ -8,6 +8,9 @@ library never sees (or serves) a half-written model. ``finetune`` calls
 
 A PEFT adapter dir as the model is written as a GGUF LoRA adapter
 (:func:`export_adapter`, with :mod:`jobs.lora_export`), the same way.
+
+Default names (jobs/finetune_params.py): a model's own GGUF is named for the
+model; a model a job made (a fine-tune's ``merged/``) is ``<base>-<job id>``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ from typing import Any
 
 from jobs.context import JobContext, JobError, check_stop
 from jobs.events import JobIO
-from jobs.finetune_params import ADAPTER_CONFIG, ExportOptions, ExportParams
+from jobs.finetune_params import (
+    ADAPTER_CONFIG,
+    ExportOptions,
+    ExportParams,
+    base_name,
+    job_model_name,
+    made_from,
+)
 from jobs.hf_convert import OutType, convert
 from jobs.lora_export import convert_adapter, read_adapter_config
 from jobs.params import JobParams, QuantizeParams
@@ -44,7 +54,8 @@ def _partial(out: Path, job_id: str) -> Path:
     return out.with_name(f".{out.name}.{job_id}.partial")
 
 
-def _convert_step(io: JobIO, model_dir: Path, out: Path, opts: ExportOptions, job_id: str) -> dict[str, Any]:
+def _convert_step(io: JobIO, model_dir: Path, out: Path, opts: ExportOptions, job_id: str,
+                  name: str) -> dict[str, Any]:
     io.stage("converting")
     started = time.monotonic()
     last = [0.0]
@@ -57,7 +68,7 @@ def _convert_step(io: JobIO, model_dir: Path, out: Path, opts: ExportOptions, jo
 
     tmp = _partial(out, job_id)
     try:
-        info = convert(model_dir, tmp, opts.outtype, out.stem, progress,
+        info = convert(model_dir, tmp, opts.outtype, name, progress,
                        lambda: check_stop(io, "while converting"))
         os.replace(tmp, out)
     finally:
@@ -88,23 +99,32 @@ def _quantize_step(io: JobIO, src: Path, out: Path, opts: ExportOptions, job_id:
 
 
 def export_model(
-    io: JobIO, model_dir: Path, opts: ExportOptions, models_dir: Path, job_id: str
+    io: JobIO, model_dir: Path, opts: ExportOptions, models_dir: Path, job_id: str,
+    model_name: str | None = None,
 ) -> dict[str, Any]:
-    """Convert (and quantize) into ``models_dir``; returns what was written."""
-    converted_name, quantized_name = opts.names(model_dir.name)
+    """Convert (and quantize) into ``models_dir``; returns what was written.
+
+    Unnamed (no ``opts.output_name``), the model is one a job made, such as
+    a fine-tune's ``merged/``: it is named ``<base>-<job id>``. The GGUF's
+    ``general.name`` is ``model_name`` (a model's own name, which adapters
+    trained on it record as their base), else the file's name.
+    """
+    stem = (opts.output_name or job_model_name(made_from(model_dir), job_id)).removesuffix(".gguf")
+    converted_name, quantized_name = opts.names(stem)
+    name = model_name or stem
     targets = [models_dir / n for n in (converted_name, quantized_name) if n is not None]
     for target in targets:
         if target.exists() and not opts.overwrite:
             raise JobError(f"{target.name} already exists; set overwrite to replace it")
     if quantized_name is None:
-        result = _convert_step(io, model_dir, models_dir / converted_name, opts, job_id)
+        result = _convert_step(io, model_dir, models_dir / converted_name, opts, job_id, name)
         return {"converted": result, "model": converted_name.removesuffix(".gguf")}
     # The unquantized file is an intermediate unless asked to keep it: it
     # stays hidden (a partial name) so it is never served.
     keep = opts.keep_unquantized
     converted = models_dir / (converted_name if keep else f".{converted_name}.{job_id}.f16")
     try:
-        result = _convert_step(io, model_dir, converted, opts, job_id)
+        result = _convert_step(io, model_dir, converted, opts, job_id, name)
         quantized = _quantize_step(io, converted, models_dir / quantized_name, opts, job_id)
     finally:
         if not keep:
@@ -153,4 +173,8 @@ def run(io: JobIO, params: JobParams, ctx: JobContext) -> dict[str, Any]:
         return {"adapter": export_adapter(io, model, base, out, params.outtype, params.overwrite,
                                           ctx.job_id)}
     model_dir = resolve_model_dir(params.model)
-    return export_model(io, model_dir, params, Path(ctx.models_dir), ctx.job_id)
+    # A job's output has no name of its own; any other model keeps its name
+    # inside the GGUF whatever the file is called, so its adapters find it.
+    made_by_a_job = model.is_absolute() and model.resolve().is_relative_to(Path(ctx.outputs_dir).resolve())
+    own_name = None if made_by_a_job else base_name(params.model)
+    return export_model(io, model_dir, params, Path(ctx.models_dir), ctx.job_id, own_name)

@@ -8,6 +8,7 @@ is checked with :func:`importlib.util.find_spec`, which imports nothing.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +35,7 @@ TRAIN_INSTALL_HINT = (
 )
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+_HF_CACHE_DIR = re.compile(r"^models--(?P<owner>[^/]+?)--(?P<name>[^/]+)$")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,99}$")
 
 PosInt = Annotated[int, msgspec.Meta(ge=1, le=10_000_000)]
@@ -93,7 +95,8 @@ class ExportOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     outtype: OutType = "F16"
     # Quantize the converted model too (llama.cpp's quantizer, as the quantize job).
     quantize: QuantType | None = None
-    # GGUF file name in the models dir; derived from the model dir when unset.
+    # GGUF file name in the models dir; unset: the model's name, or
+    # <base>-<job id> for a model a job made (see made_from).
     output_name: str | None = None
     # With quantize: also keep the F16/F32 file in the models dir.
     keep_unquantized: bool = False
@@ -112,6 +115,47 @@ class ExportOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             check_gguf_name(converted, ctx, self.overwrite, f"{param}.output_name")
         if quantized is not None:
             check_gguf_name(quantized, ctx, self.overwrite, f"{param}.output_name")
+
+
+def base_name(base: str) -> str:
+    """The name a base model's GGUF is known by: its dir's name, or the repo's
+    name for a Hugging Face cache snapshot or a repo id."""
+    parts = Path(base).parts
+    for i, part in enumerate(parts):
+        m = _HF_CACHE_DIR.match(part)
+        if m is not None and i + 2 < len(parts) and parts[i + 1] == "snapshots":
+            return m.group("name")
+    return base.rstrip("/").rsplit("/", 1)[-1]
+
+
+# Default export names. A model's own GGUF is named for the model (its dir or
+# repo), which is how an adapter trained on it finds it (general.name and the
+# file name, supervisor/models/adapters.py). A model a job wrote has no name
+# of its own (a fine-tune's ``merged/``): its GGUF is ``<base>-<job id>``,
+# for the base it was made from and the job that writes the GGUF, so every
+# export gets a new name and none is ever "merged".
+
+
+def is_job_output(model_dir: Path, ctx: ResolveContext) -> bool:
+    return model_dir.is_absolute() and model_dir.is_relative_to(ctx.roots.outputs.resolve())
+
+
+def made_from(model_dir: Path) -> str:
+    """The base model a job's output was made from: the base its fine-tune's
+    adapter records (``<out>/adapter`` beside ``<out>/merged``), else the
+    output's own name."""
+    named = model_dir.parent if model_dir.name == "merged" else model_dir
+    try:
+        cfg = json.loads((named / "adapter" / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return named.name  # no adapter beside it: not a fine-tune's output
+    base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+    return base_name(base) if isinstance(base, str) and base else named.name
+
+
+def job_model_name(base: str, job_id: str) -> str:
+    """``<base>-<job id>``: the GGUF name of a model that a job made."""
+    return f"{base}-{job_id}"
 
 
 def adapter_stem(adapter_dir: Path) -> str:
@@ -141,9 +185,11 @@ class ExportParams(JobParams, ExportOptions):
         if self.base is not None:
             raise ParamError("base applies to adapter exports only", param="params.base")
         self.model = resolve_hf_model(self.model, ctx, "params.model")
-        if self.output_name is None and not Path(self.model).is_absolute():
-            self.output_name = self.model.split("/")[-1]
-        self.check(Path(self.model).name, ctx, "params")
+        if self.output_name is None and not is_job_output(Path(self.model), ctx):
+            self.output_name = base_name(self.model)
+        if self.output_name is not None:
+            self.check(self.output_name, ctx, "params")
+        # else the job names it <base>-<its id> (export.export_model): new, so unchecked.
 
     def _resolve_adapter(self, path: Path, ctx: ResolveContext) -> None:
         self.model = str(path)
@@ -222,12 +268,11 @@ class FinetuneParams(JobParams, DeviceChoice):
         if self.export is not None and not self.merge:
             raise ParamError("export needs merge (the merged model is what is exported)", param="params.export")
         if self.export is not None:
-            stem = self.output_name or Path(self.model).name + "-finetune"
-            if self.export.output_name is None:
-                # Pin the default now: the job id is unknown here and the name
-                # must be checked against the models dir at submit time.
-                self.export.output_name = stem
-            self.export.check(stem, ctx, "params.export")
+            if self.export.output_name is None and self.output_name is not None:
+                self.export.output_name = self.output_name
+            # Unnamed, the job names it <base>-<its id> (export.export_model): new, so unchecked.
+            if self.export.output_name is not None:
+                self.export.check(self.export.output_name, ctx, "params.export")
         if self.export_adapter and self.output_name is not None:
             # Without an output name the adapter is named for the (new) job id.
             check_gguf_name(f"{self.output_name}-lora", ctx, self.overwrite, "params.export_adapter")

@@ -7,6 +7,10 @@ Two tokenizer families of the Llama family are understood:
 - byte-level BPE (``tokenizer.json``; Llama 3, Qwen2, GPT-2 style): GGUF
   model ``gpt2``, byte-level token strings, merges, and the pre-tokenizer
   name llama.cpp knows for the split regex.
+- SentencePiece-style BPE in ``tokenizer.json`` alone (byte fallback,
+  ``▁`` for spaces, no byte-level step; Llama 2's tokenizer.json, the
+  ``tiny-random-demo-hf`` demo): GGUF model ``llama``, as llama.cpp's
+  converter reads such a file.
 
 Special token ids, the add-BOS/EOS flags, merges and the chat template come
 from gguf's own ``SpecialVocab`` reader, as in llama.cpp's converter. Anything
@@ -16,6 +20,7 @@ else is refused with an error that names what was found.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,11 +176,44 @@ def _pre_name(pre: Any) -> str:
     )
 
 
+_BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+
+
+def _spm_bpe(model_dir: Path, model: dict[str, Any]) -> Vocab:
+    """SentencePiece-style BPE: llama.cpp merges the best-scoring pair that
+    makes a token, so a piece scores by the rank of the first merge making
+    it (-(rank + 1)); pieces no merge makes score 0."""
+    vocab = model.get("vocab", {})
+    rank: dict[str, int] = {}
+    for i, merge in enumerate(model.get("merges", [])):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        rank.setdefault(str(left) + str(right), i)
+    added = _added_tokens(model_dir)
+    by_id = {int(i): str(t) for t, i in vocab.items()}
+    tokens, types, scores = [], [], []
+    for i in range(max([*by_id, *added, -1]) + 1):
+        text = added[i][0] if i in added else by_id.get(i, f"[PAD{i}]")
+        if text == model.get("unk_token"):
+            kind = T.UNKNOWN
+        elif i in added:
+            kind = T.CONTROL if added[i][1] else T.USER_DEFINED
+        elif i not in by_id:
+            kind = T.UNUSED
+        else:
+            kind = T.BYTE if _BYTE_TOKEN.match(text) else T.NORMAL
+        tokens.append(text)
+        types.append(int(kind))
+        scores.append(-float(rank[text] + 1) if text in rank else 0.0)
+    return Vocab("llama", tokens, types, scores)
+
+
 def _byte_level_bpe(model_dir: Path) -> Vocab:
     data = _read_json(model_dir / "tokenizer.json")
     model = data.get("model", {})
     if model.get("type") != "BPE":
         raise JobError(f"tokenizer model {model.get('type')!r} is not supported (BPE or SentencePiece)")
+    if model.get("byte_fallback") and not _split_patterns(data.get("pre_tokenizer"))[1]:
+        return _spm_bpe(model_dir, model)
     pre = _pre_name(data.get("pre_tokenizer"))
     by_id = {int(i): str(t) for t, i in model.get("vocab", {}).items()}
     added = _added_tokens(model_dir)

@@ -30,6 +30,7 @@ import gguf
 import numpy as np
 
 from jobs.context import JobError
+from jobs.finetune_params import base_name
 
 # The model converter's safetensors reader, for the adapter's one file.
 from jobs.hf_convert import (
@@ -46,7 +47,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # PEFT names: base_model.model.<HF module path>.lora_A.weight (or lora_B).
 _PEFT_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
-_HF_CACHE_DIR = re.compile(r"^models--(?P<owner>[^/]+?)--(?P<name>[^/]+)$")
 
 
 @dataclass(frozen=True)
@@ -91,17 +91,6 @@ def read_adapter_config(adapter_dir: Path) -> AdapterConfig:
             raise JobError("rank-stabilised LoRA with per-module ranks cannot be written as one alpha")
         alpha *= math.sqrt(rank)
     return AdapterConfig(rank, alpha, str(cfg.get("base_model_name_or_path") or ""))
-
-
-def base_name(base: str) -> str:
-    """The name a base model's GGUF is known by: its dir's name, or the repo's
-    name for a Hugging Face cache snapshot or a repo id."""
-    parts = Path(base).parts
-    for i, part in enumerate(parts):
-        m = _HF_CACHE_DIR.match(part)
-        if m is not None and i + 2 < len(parts) and parts[i + 1] == "snapshots":
-            return m.group("name")
-    return base.rstrip("/").rsplit("/", 1)[-1]
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from jobs.quantize_rules import (
     Mix,
     n_dims,
 )
+from jobs.sizes import size_text
 
 Q = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
@@ -241,8 +242,8 @@ class _Progress:
     def advance(self, n_bytes: int, written: int, tensor: int, tensors: int) -> None:
         self.done += n_bytes
         self.io.progress(min(0.99, self.done / max(1, self.total)),
-                         message=f"tensor {tensor}/{tensors}, {written // 2**20} of about "
-                                 f"{self.estimate // 2**20} MiB written")
+                         message=f"tensor {tensor}/{tensors}, {size_text(written)} of about "
+                                 f"{size_text(self.estimate)} written")
 
 
 def _stop_point(io: JobIO) -> None:
@@ -334,7 +335,7 @@ def run(io: JobIO, params: JobParams, ctx: JobContext) -> dict[str, Any]:
         raise JobError(f"{out.name} already exists; set overwrite to replace it")
     tmp = out_dir / f".{out.name}.{ctx.job_id}.partial"
     io.stage("quantizing")
-    io.log(f"quantizing {src.name} to {params.type}, about {plan.estimate_bytes // 2**20} MiB")
+    io.log(f"quantizing {src.name} to {params.type}, about {size_text(plan.estimate_bytes)}")
     started = time.monotonic()
     try:
         quantize(io, src, tmp, params, plan.estimate_bytes)

@@ -24,6 +24,7 @@ from supervisor.api import auth, metrics, openapi, proxies, shutdown, waiting
 from supervisor.api import jobs as routes_jobs
 from supervisor.api import models as routes_models
 from supervisor.api import openai as routes_openai
+from supervisor.api import responses as routes_responses
 from supervisor.api import web as routes_web
 from supervisor.api.io import answer_and_close, error_response, json_response
 from supervisor.appkeys import (
@@ -122,12 +123,11 @@ async def db_ctx(app: web.Application) -> AsyncIterator[None]:
 async def library_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     if cfg.write_demo_model:
-        written = ensure_demo_model(cfg.models_path, cfg.state_path)
-        if written is not None:
-            log.info("wrote the tiny random demo model to %s", written)
+        for written in ensure_demo_model(cfg.models_path, cfg.state_path):
+            log.info("wrote a tiny random demo model to %s", written)
     dirs = [cfg.models_path, *(Path(d) for d in cfg.extra_model_dirs)]
     library = ModelLibrary(dirs, Path(cfg.hf_cache_dir) if cfg.hf_cache_dir else None,
-                           settle_s=cfg.library_settle_s)
+                           settle_s=cfg.library_settle_s, vllm_python=cfg.vllm_python or None)
     app[LIBRARY] = library
     stop = asyncio.Event()
     watcher = asyncio.create_task(library.watch_supervised(stop), name="library-watch")
@@ -216,8 +216,11 @@ async def healthz(request: web.Request) -> web.Response:
     workers = pool.workers()
     # Alive either way (200): a failed model is "degraded", not a dead process.
     status = "degraded" if any(w["state"] == "failed" for w in workers) else "ok"
+    # Whether /v1 wants a key: the API page says so. With auth on, only a
+    # signed-in caller sees more than the status word (auth.py).
+    auth_mode = "on" if await request.app[AUTH].enabled() else "off"
     return json_response({"status": status, "uptime_s": round(time.time() - request.app[STARTED_AT], 1),
-                          "workers": workers})
+                          "auth": auth_mode, "workers": workers})
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -264,8 +267,8 @@ def build_app(cfg: Config) -> web.Application:
     app.cleanup_ctx.extend([db_ctx, library_ctx, lease_ctx, pool_ctx, runner_ctx, preload_ctx,
                            engine_check_ctx])
     # After the contexts that provide the database and the pool.
-    responses.setup(app, retention_s=cfg.responses_retention_days * 86400,
-                    keepalive_s=cfg.responses_keepalive_s)
+    routes_responses.setup(app, retention_s=cfg.responses_retention_days * 86400,
+                           keepalive_s=cfg.responses_keepalive_s)
     app.cleanup_ctx.extend([auth.keys_ctx, metrics.observe_ctx])
     app.on_response_prepare.extend([logs.add_request_id, auth.security_headers])
     app.on_shutdown.append(shutdown.drain)

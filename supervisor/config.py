@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +19,9 @@ import msgspec
 from jobs.errors import validation_param
 
 ENV_PREFIX = "GPUVISOR_"
+# Variables of that prefix that are no setting: the token the CLI sends
+# (``gpuvisor status``, ``pull``), which a shell may export for every command.
+CLIENT_ENV = frozenset({"GPUVISOR_TOKEN"})
 
 
 class ConfigError(Exception):
@@ -179,6 +183,24 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     hf_cache_dir: str = ""
     hf_token: str = ""
     library_settle_s: float = 0.5
+    # The Python of the vLLM environment that serves Hugging Face (hf)
+    # models; unset: <checkout>/.venv-vllm/bin/python where `make install-vllm`
+    # made one (beside our package, or beside the running venv).
+    vllm_python: str = ""
+    # Runaway guard (per request; /api/models shows both under "limits").
+    # Output tokens of a request that sets no limit of its own: enough for a
+    # reasoning model's thinking plus a whole file written in one tool call,
+    # and far less than a 32k-128k context a runaway would otherwise fill.
+    default_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 16384
+    # Seconds a request may run once its worker took it (prefill included);
+    # past it, it ends as if by its token limit. 0 = no limit.
+    request_timeout_s: Annotated[float, msgspec.Meta(ge=0.0)] = 600.0
+    # A caller (API key; the client address with auth off) in flight at this
+    # many worker crashes within the window is refused (429 crash_cooldown)
+    # until they age out, so one user's crashers cannot fail models for all.
+    # 0 = off (a single-user machine, where every request comes from one caller).
+    caller_crash_limit: Annotated[int, msgspec.Meta(ge=0)] = 3
+    caller_crash_window_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
     # Responses API: stored responses are kept this long (0 = forever).
     responses_retention_days: float = 30.0
     responses_keepalive_s: float = 10.0
@@ -288,10 +310,20 @@ def default_state_dir(environ: Mapping[str, str]) -> Path:
     return home / ".local" / "share" / "gpuvisor"
 
 
+def default_vllm_python() -> str:
+    """The vLLM venv `make install-vllm` makes in a checkout, where one exists:
+    beside our package (an editable install) or beside the running venv."""
+    for base in (Path(__file__).resolve().parent.parent, Path(sys.prefix).parent):
+        candidate = base / ".venv-vllm" / "bin" / "python"
+        if candidate.is_file():
+            return str(candidate)
+    return ""
+
+
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in environ.items():
-        if not key.startswith(ENV_PREFIX):
+        if not key.startswith(ENV_PREFIX) or key in CLIENT_ENV:
             continue
         name = key[len(ENV_PREFIX) :].lower()
         if name not in _FIELDS:
@@ -331,6 +363,8 @@ def load_config(
         key = validation_param(exc)
         where = f" {key}" if key else ""
         raise ConfigError(f"invalid setting{where}: {exc}") from exc
+    if not cfg.vllm_python:
+        cfg.vllm_python = default_vllm_python()
     for name, sub in (("models_dir", "models"), ("datasets_dir", "datasets"), ("outputs_dir", "outputs")):
         if not getattr(cfg, name):
             setattr(cfg, name, str(Path(cfg.state_dir) / sub))

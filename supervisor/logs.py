@@ -26,6 +26,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 LOG_FORMATS = ("text", "kv", "json")
+QUIET_LIBRARIES = ("gguf", "watchfiles")
 # Fields a record may carry through ``extra=``; rendered after the message.
 CONTEXT_FIELDS = ("request_id", "status", "duration_ms", "client", "scheme", "host", "key", "model")
 # Shapes of secrets we hand out or accept: our API keys, HF tokens, bearer headers.
@@ -153,22 +154,28 @@ def configure(level: str, fmt: str, secret_values: Iterable[str] = ()) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
-    # The gguf writer narrates every file it writes (the demo model at first
-    # start) at INFO: its warnings still show.
-    logging.getLogger("gguf").setLevel(max(logging.WARNING, root.level))
+    # Libraries that narrate at INFO what says nothing to an operator: the
+    # gguf writer every file it writes (the demo model at first start),
+    # watchfiles every batch of changes it sees in the models dirs (a file
+    # being copied in is dozens). Their warnings still show.
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-# Routes the UI (and monitoring) poll every few seconds: hundreds of lines an
-# hour that say nothing. Their successful reads are logged at DEBUG.
+# Routes the UI (and monitoring) poll every few seconds, and the UI's static
+# assets (a dozen per page view): hundreds of lines an hour that say nothing.
+# Their successful reads are logged at DEBUG; the page itself (``/``) stays
+# at INFO, one line per visit.
 POLLED_PATHS = ("/healthz", "/readyz", "/metrics", "/api/gpu", "/api/workers")
-POLLED_PREFIXES = ("/api/models", "/api/jobs")
+POLLED_PREFIXES = ("/api/models", "/api/jobs", "/static")
 
 
 def access_level(method: str, path: str, status: int) -> int:
-    """DEBUG for a successful read of a polled route; INFO for changes and errors."""
+    """DEBUG for a successful read of a polled route or an asset; INFO for
+    changes and errors."""
     polled = path in POLLED_PATHS or any(path == p or path.startswith(p + "/") for p in POLLED_PREFIXES)
     quiet = method in ("GET", "HEAD") and status < 400 and polled
     return logging.DEBUG if quiet else logging.INFO

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -70,6 +71,21 @@ class PageWatch:
         errors = [e for e in self.errors if not any(a in e for a in allow)]
         assert not errors, errors
         assert not self.foreign, f"requests outside the server: {self.foreign}"
+
+
+@pytest.fixture(scope="module")
+def screens_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A module's screenshot dir; with GPUVISOR_SCREENS_DIR set, its PNGs are
+    copied there at the end, for a person to look at. A test module takes it
+    as ``from tests.browser import screens_fixture as screens``."""
+    path = tmp_path_factory.mktemp("screens")
+    yield path
+    copy = os.environ.get("GPUVISOR_SCREENS_DIR")
+    if copy:
+        dest = Path(copy)
+        dest.mkdir(parents=True, exist_ok=True)
+        for png in path.glob("*.png"):
+            (dest / png.name).write_bytes(png.read_bytes())
 
 
 def save_screens(src: Path, names: list[str], dest: Path) -> None:

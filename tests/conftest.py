@@ -9,11 +9,18 @@ import pytest
 from supervisor.models.demo import write_tiny_gguf
 from tests.browser import launch, require_browser
 from tests.server import Server, running, short_tempdir
+from tests.tiny_bpe import write_tiny_bpe
 
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_bpe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a GPT-2 style byte-level BPE vocab (tests/tiny_bpe.py)."""
+    return write_tiny_bpe(tmp_path_factory.mktemp("models") / "tiny-bpe.gguf")
 
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,7 @@ class FakePool:
         params: SamplingParams | None = None,
         template_vars: dict[str, Any] | None = None,
         request_id: str = "",
+        caller: str = "",  # who asked (the real pool blames crashes on it)
     ) -> AsyncGenerator[Delta | Done, None]:
         assert messages is not None and params is not None
         self.calls.append(Call(messages, tools, params, template_vars or {}))

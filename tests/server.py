@@ -124,7 +124,8 @@ class Server:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def workers(self) -> list[dict[str, Any]]:
-        return httpx.get(self.base_url + "/api/workers", timeout=10).json()["workers"]
+        workers: list[dict[str, Any]] = httpx.get(self.base_url + "/api/workers", timeout=10).json()["workers"]
+        return workers
 
     def worker(self, model: str | None = None) -> dict[str, Any]:
         model = model or self.model

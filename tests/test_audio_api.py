@@ -7,16 +7,16 @@ from __future__ import annotations
 import base64
 import struct
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import openai
 import pytest
 
+from formats.audio import AudioError, check_audio
 from tests.server import Server, running, short_tempdir
 from tests.tiny_audio import audio_positions, wav, write_tiny_audio_pair
 from tests.tiny_vision import write_tiny_text_model
-from worker.audio import AudioError, check_audio
 
 MODEL = "tiny-audio"
 TEXT_MODEL = "text/plain"
@@ -83,7 +83,7 @@ def test_audio_steers_greedy_chat_and_counts_in_usage(client: openai.OpenAI) -> 
 
 
 def test_streamed_chat_with_audio(client: openai.OpenAI) -> None:
-    stream = client.chat.completions.create(model=MODEL, messages=_listen(wav(0.5, 220.0)),  # type: ignore[arg-type]
+    stream = client.chat.completions.create(model=MODEL, messages=cast(Any, _listen(wav(0.5, 220.0))),
                                             temperature=0, max_tokens=10, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == _chat(client, _listen(wav(0.5, 220.0))).choices[0].message.content
@@ -113,7 +113,8 @@ def test_undecodable_base64_and_roles(client: openai.OpenAI) -> None:
                                          "input_audio": {"data": "@@not base64", "format": "wav"}}]}]
     err = _bad(client, bad)
     assert err.code == "invalid_audio" and err.param == "messages[0].content[0]"
-    system = [{"role": "system", "content": [_part(wav(0.2, 440.0))]}, {"role": "user", "content": "hi"}]
+    system: list[dict[str, Any]] = [{"role": "system", "content": [_part(wav(0.2, 440.0))]},
+                                    {"role": "user", "content": "hi"}]
     assert _bad(client, system).param == "messages[0].content[0]"
 
 

@@ -24,6 +24,7 @@ from supervisor.logs import access_level
 from supervisor.workers.crash import (
     FAULT_MARKER,
     crash_reason,
+    exit_is_news,
     exit_reason,
     load_failure_reason,
     read_log_tail,
@@ -82,6 +83,9 @@ def test_crash_reason_names_the_signal_the_phase_and_the_likely_cause() -> None:
     # The worker's own signal is the news, even when the parent saw only a broken handshake.
     assert "SIGSEGV" in exit_reason(-signal.SIGSEGV, "loading", "handshake failed: worker exited", False)
     assert exit_reason(1, "serving", None, False) == "the model worker exited with code 1 while serving (see its log)"
+    # Whether the reason is the parent's own account (its requests then say whose crash it was).
+    assert not exit_is_news(-signal.SIGABRT, True) and not exit_is_news(None, False)
+    assert exit_is_news(-signal.SIGSEGV, False) and exit_is_news(1, False)
     assert "the engine rejects the file" in load_failure_reason("cannot load x.gguf: bad tensor")
 
 

@@ -26,7 +26,7 @@ from supervisor.models.gguf_info import read_gguf_info
 from supervisor.models.kvsize import KvOptions, kv_cache_bytes, kv_layer_bytes
 from supervisor.models.library import ModelEntry
 from tests.tiny_mtp import write_tiny_mtp
-from worker.speculative import SpeculativeOptions
+from worker.protocol import SpeculativeOptions
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024
@@ -35,8 +35,9 @@ N_CTX, SLOTS = 1024, 2
 _LOAD = r"""
 import os, sys
 import xllamacpp
-from worker.engine_params import EngineOptions, engine_params
-from worker.speculative import SpeculativeOptions
+from worker.engine_api import EngineOptions
+from worker.engine_params import engine_params
+from worker.protocol import SpeculativeOptions
 model, mode, draft, sock = sys.argv[1:5]
 opts = EngineOptions(model, 1024, -1, 2, False, speculative=SpeculativeOptions(mode, draft, 0, 4),
                      parallel=2, engine_socket=sock)

@@ -19,7 +19,7 @@ from supervisor.models.memfit import DoesNotFit
 from supervisor.models.placement import plan_load
 from supervisor.models.vocab import vocab_difference
 from tests.tiny_mtp import write_tiny_mtp
-from worker.speculative import SpeculativeOptions
+from worker.protocol import SpeculativeOptions
 
 
 class Library:

@@ -33,7 +33,10 @@ from tests.server import Server, short_tempdir
 TERMINAL_RESPONSE_EVENTS = {"response.completed", "response.incomplete", "response.failed", "error"}
 FINISHED_RESPONSE_STATUSES = {"completed", "incomplete", "failed", "cancelled"}
 # Many kills in a short time must not trip the crash-loop breaker here.
-NO_CRASH_LIMIT = {"GPUVISOR_CRASH_LIMIT": "100000", "GPUVISOR_N_CTX": "4096"}
+# These tests kill workers from outside: no model is to be marked failed for
+# it, and no caller refused for having been in flight (caller_crash_limit 0).
+NO_CRASH_LIMIT = {"GPUVISOR_CRASH_LIMIT": "100000", "GPUVISOR_CALLER_CRASH_LIMIT": "0",
+                  "GPUVISOR_N_CTX": "4096"}
 
 
 def _models(tiny_model_path: Path, *extra: tuple[str, bytes]) -> Path:
@@ -127,11 +130,13 @@ def _stream_chat(base: str, model: str, rng: random.Random) -> StreamResult:
             return StreamResult("chat", f"http-{resp.status_code}:{_openai_error(resp)['code']}")
         last = ""
         for line in resp.iter_lines():
-            if line.startswith("data: "):
+            if line.startswith("data: ") and line != "data: [DONE]":
                 last = line[6:]
-    if last == "[DONE]":
+    # A failed stream ends with its error object (then [DONE], as every stream does).
+    final = json.loads(last)
+    if "error" not in final:
         return StreamResult("chat", "done")
-    return StreamResult("chat", f"error-event:{json.loads(last)['error']['code']}")
+    return StreamResult("chat", f"error-event:{final['error']['code']}")
 
 
 def _stream_responses(base: str, model: str, rng: random.Random) -> StreamResult:
@@ -212,14 +217,14 @@ def test_frozen_worker_fails_the_stream_and_is_replaced(kill_server: Server) -> 
     t0 = 0.0
     with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=body, timeout=60) as resp:
         for n, line in enumerate(resp.iter_lines()):
-            if line.startswith("data: "):
+            if line.startswith("data: ") and line != "data: [DONE]":
                 last = line[6:]
             if n == 10:
                 os.kill(pid, signal.SIGSTOP)
                 t0 = time.monotonic()
     # Declared hung after the ping timeout (5 s in tests), then killed.
     assert time.monotonic() - t0 < 30
-    assert last != "[DONE]" and "error" in json.loads(last), last
+    assert "error" in json.loads(last), last
     srv.wait_worker(lambda w: w["state"] == "ready" and w["pid"] != pid, timeout=30)
     assert not _wait_gone([pid])
     _chat_ok(srv)

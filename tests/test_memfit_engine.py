@@ -45,7 +45,8 @@ _LOAD = r"""
 import os
 import sys
 import xllamacpp
-from worker.engine_params import EngineOptions, engine_params
+from worker.engine_api import EngineOptions
+from worker.engine_params import engine_params
 
 path, n_ctx, parallel, cache, embedding, sock = sys.argv[1:7]
 opts = EngineOptions(path, int(n_ctx), -1, 2, embedding == "1", cache,

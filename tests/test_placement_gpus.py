@@ -287,7 +287,8 @@ def test_the_worker_hands_the_split_to_the_engine(tmp_path: Path) -> None:
     import xllamacpp
 
     from worker.__main__ import parse_args
-    from worker.engine_params import EngineOptions, engine_params
+    from worker.engine_api import EngineOptions
+    from worker.engine_params import engine_params
 
     args = parse_args(["--socket", "s", "--model", "m", "--tensor-split", "0.6250,0.3750"])
     assert args.tensor_split == (0.625, 0.375)

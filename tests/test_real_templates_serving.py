@@ -21,11 +21,12 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from supervisor import appkeys
 from supervisor.api.openai import add_routes
+from supervisor.api.responses import setup
 from supervisor.app import error_middleware
 from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.models.demo import write_tiny_gguf
-from supervisor.responses import RESPONSES_SCHEMA, setup
+from supervisor.responses import RESPONSES_SCHEMA
 from supervisor.workers.pool import WorkerPool
 from tests.real_templates import (
     ASK,

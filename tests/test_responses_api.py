@@ -27,12 +27,13 @@ from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from supervisor import appkeys
+from supervisor.api.responses import setup
 from supervisor.app import error_middleware
 from supervisor.appkeys import RESPONSES
 from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.errors import UpstreamError
-from supervisor.responses import RESPONSES_SCHEMA, setup
+from supervisor.responses import RESPONSES_SCHEMA
 from supervisor.responses.background import BackgroundTasks
 from supervisor.responses.models import CreateRequest, decode_items
 from supervisor.responses.objects import new_response
@@ -44,7 +45,7 @@ from worker.protocol import ChatMessage, Delta, Done
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 ITEM = TypeAdapter(ResponseItem)
-THINK_TOOLS_TEMPLATE = "{{ messages }}{% if enable_thinking %}<think>{% endif %}<tool_call>"
+THINK_TOOLS_TEMPLATE = "{{ tools }}{{ messages }}{% if enable_thinking %}<think>{% endif %}<tool_call>"
 
 @dataclass
 class Api:

@@ -9,12 +9,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.generation.grammar import (
-    SchemaGrammar,
-    ToolStyle,
-    gbnf_literal,
-    tool_call_grammar,
-)
+from formats.schema_gbnf import SchemaGrammar, gbnf_literal, schema_gbnf
+from supervisor.generation.grammar import ToolStyle, tool_call_grammar
 from supervisor.generation.parse import OutputParser, Piece, ToolCall
 
 WEATHER = {
@@ -154,8 +150,6 @@ def test_json_schema_output_is_valid_json_without_raw_control_characters(llm: An
     characters in JSON strings; the worker's schema grammar never emits them.
     The random model rambles inside strings, so some answers are cut by
     max_tokens: those must still be clean, and the finished ones parse."""
-    from worker.schema_gbnf import schema_gbnf
-
     schema = {"type": "object", "properties": {"note": {"type": "string"}, "n": {"type": "integer"}},
               "required": ["note", "n"], "additionalProperties": False}
     grammar = schema_gbnf(schema)
@@ -177,8 +171,6 @@ def test_optional_properties_grow_the_grammar_linearly() -> None:
     """No required key used to mean every ordered subset spelled out (N²):
     4,500 properties made a 384 MB grammar."""
     import time
-
-    from worker.schema_gbnf import schema_gbnf
 
     sizes = {}
     for n in (100, 4000):

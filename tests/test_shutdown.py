@@ -174,3 +174,53 @@ def test_sighup_rescans_and_keeps_serving(tiny_model_path: Path, start_server: C
     assert "received SIGHUP: scanning the models dirs again" in srv.log_text()
     assert httpx.get(srv.base_url + "/healthz", timeout=10).status_code == 200
     assert srv.stop(signal.SIGTERM) == 0
+
+
+class RawStream(threading.Thread):
+    """One long stream (chat or Responses) read in the background, every data line kept."""
+
+    def __init__(self, srv: Server, path: str, body: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.srv, self.path, self.body = srv, path, body
+        self.data: list[str] = []
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        with httpx.stream("POST", self.srv.base_url + self.path, json=self.body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    self.data.append(line[6:])
+                    if len(self.data) >= 8:
+                        self.started.set()
+
+
+def test_ctrl_c_says_what_it_waits_for_and_streams_end_complete(
+        tiny_model_path: Path, start_server: Callable[..., Server]) -> None:
+    # Streams far longer than the drain (the tiny model writes thousands of tokens a second).
+    srv = start_server(_models(tiny_model_path), env={"GPUVISOR_N_CTX": "65536", "GPUVISOR_SHUTDOWN_TIMEOUT": "1",
+                                                      "GPUVISOR_PARALLEL": "2"})
+    chat = RawStream(srv, "/v1/chat/completions", {
+        "model": srv.model, "stream": True, "max_tokens": 60000, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "go on"}]})
+    responses = RawStream(srv, "/v1/responses", {
+        "model": srv.model, "stream": True, "max_output_tokens": 60000, "ignore_eos": True, "input": "go on"})
+    for reader in (chat, responses):
+        reader.start()
+        assert reader.started.wait(30)
+    assert srv.stop(signal.SIGINT) == 0
+    for reader in (chat, responses):
+        reader.join(20)
+        assert not reader.is_alive()
+    log = srv.log_text()
+    assert ("shutting down: waiting up to 1s for 2 open requests (streams included) to finish; "
+            "press Ctrl-C again (or send a second SIGTERM) to stop now") in log, log
+    # Chat: the error object, then the stream's usual end.
+    assert chat.data[-1] == "[DONE]", chat.data[-3:]
+    assert json.loads(chat.data[-2])["error"]["code"] == "shutting_down"
+    # Responses: one terminal event that says why.
+    last = json.loads(responses.data[-1])
+    assert last["type"] == "response.failed", last
+    assert last["response"]["status"] == "failed"
+    assert "shutting down" in last["response"]["error"]["message"], last["response"]["error"]
+    assert not any(json.loads(d)["type"] in ("response.completed", "response.incomplete")
+                   for d in responses.data)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import base64
 import os
 import signal
+import struct
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -166,18 +168,25 @@ def test_bad_chat_images_are_400_naming_the_part(client: openai.OpenAI, url: str
 
 
 def test_corrupt_image_body_is_400_from_the_worker(client: openai.OpenAI) -> None:
-    """Right magic bytes, undecodable pixels: only the engine's decoder can tell;
-    still a 400 (the worker cannot name the part, so the messages)."""
-    err = _bad(lambda: _chat(client, _chat_part(data_url(RED[:8] + b"\0" * 64))))
+    """A sound header, undecodable pixels (a GIF whose LZW code size is 13):
+    only the engine's decoder can tell; still a 400 (the worker cannot name
+    the part, so the messages). A broken header is the parent's 400 naming it."""
+    corrupt = bytearray(gif(4, 4, (1, 2, 3)))
+    corrupt[6 + 7 + 12 + 10] = 13  # after the screen, its 4-colour table and the frame descriptor
+    err = _bad(lambda: _chat(client, _chat_part(data_url(bytes(corrupt), "image/gif"))))
     assert err.code == "invalid_image" and err.param == "messages"
+    err = _bad(lambda: _chat(client, _chat_part(data_url(RED[:8] + b"\0" * 64))))
+    assert err.code == "invalid_image" and err.param == "messages[0].content[1]" and "IHDR" in err.message
 
 
 def test_image_count_and_total_are_bounded(client: openai.OpenAI) -> None:
     many = [{"type": "image_url", "image_url": {"url": data_url(RED)}}] * (MAX_IMAGES + 1)
     err = _bad(lambda: _chat(client, [{"role": "user", "content": many}]))
     assert err.param == f"messages[0].content[{MAX_IMAGES}]" and err.code == "too_many_images"
-    # Each under the per-image bound (only its magic bytes are checked here), together over 12 MiB.
-    big = data_url(RED[:8] + b"\0" * (MAX_IMAGE_BYTES - 600_000))
+    # Each under the per-image bound (a sound 32x32 PNG padded with a text chunk), together over 12 MiB.
+    text = b"Comment\0" + b"x" * (MAX_IMAGE_BYTES - 600_000)
+    padding = struct.pack(">I", len(text)) + b"tEXt" + text + struct.pack(">I", zlib.crc32(b"tEXt" + text))
+    big = data_url(RED[:33] + padding + RED[33:])  # after the signature and IHDR
     parts = [{"type": "text", "text": "x"}, *[{"type": "image_url", "image_url": {"url": big}}] * 4]
     err = _bad(lambda: _chat(client, [{"role": "user", "content": parts}]))
     assert err.param == "messages[0].content[4]" and err.code == "image_too_large"

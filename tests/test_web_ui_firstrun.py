@@ -10,7 +10,6 @@ test session's temp dir (``screens``); GPUVISOR_SCREENS_DIR gets a copy."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -20,23 +19,12 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.browser import screens_fixture as screens  # noqa: F401 (a fixture)
 from tests.browser import DESKTOP, NARROW, new_page, shoot
 from tests.server import Server, running, short_tempdir
 
 pytestmark = pytest.mark.timeout(120)
 
-SCREENS_COPY = os.environ.get("GPUVISOR_SCREENS_DIR")
-
-
-@pytest.fixture(scope="module")
-def screens(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("screens")
-    yield path
-    if SCREENS_COPY:
-        dest = Path(SCREENS_COPY)
-        dest.mkdir(parents=True, exist_ok=True)
-        for png in path.glob("*.png"):
-            (dest / png.name).write_bytes(png.read_bytes())
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +354,7 @@ def test_chat_renders_markdown_safely_and_keeps_conversations(desk: Any, srv: Se
     pg.wait_for_selector("main h1")
     pg.locator(".conversations li .conv-open", has_text="Make a plan").click()
     pg.locator(".msg.assistant .answer-text h3", has_text="Plan").wait_for()
-    assert "resp_fake_md" in pg.locator(".mode-note").inner_text()
+    assert pg.locator(".mode-note .response-id").get_attribute("data-response-id") == "resp_fake_md"
     # Continuing it sends the stored last response id.
     pg.unroute(re.compile(r"/v1/responses$"))
     pg.route(re.compile(r"/v1/responses$"), lambda r: fake_response(r, "resp_fake_2", "Sure."))
@@ -409,7 +397,7 @@ def test_chat_switches_model_mid_conversation(desk: Any, srv: Server) -> None:
         pg.locator("#chat-input").press("Enter")
     assert first.value.status == 200
     pg.locator(".msg.assistant").nth(0).locator(".usage", has_text="out").wait_for()
-    prev = pg.locator(".mode-note code").inner_text()
+    prev = pg.locator(".mode-note .response-id").get_attribute("data-response-id") or ""
     assert prev.startswith("resp")
     sel.select_option("tiny-b")
     pg.locator("#chat-input").fill("Again")
@@ -450,7 +438,7 @@ def test_mobile_chat_continuing_note_fits(narrow: Any, srv: Server, screens: Pat
     pg.locator(".msg.assistant .usage", has_text="out").wait_for()
     pg.locator(".chat-settings summary").click()
     note = pg.locator(".mode-note")
-    note.get_by_text("resp_").wait_for()
+    note.locator(".response-id").wait_for()
     card = pg.locator(".chat-settings").bounding_box()
     box = note.bounding_box()
     assert box["x"] + box["width"] <= card["x"] + card["width"] + 0.5, (box, card)

@@ -53,10 +53,12 @@ def _sign_in(pg: Any, token: str) -> None:
 
 
 def _colours(pg: Any) -> tuple[str, str]:
-    return pg.evaluate("""() => {
+    """The page's and the card's background colours, as the browser computed them."""
+    body, card = pg.evaluate("""() => {
         const card = document.querySelector('.signin-card');
         return [getComputedStyle(document.body).backgroundColor, getComputedStyle(card).backgroundColor];
     }""")
+    return str(body), str(card)
 
 
 @pytest.mark.parametrize("viewport", [DESKTOP, NARROW], ids=["desktop", "narrow"])

@@ -136,6 +136,26 @@ def build_tiny_model(
     return out
 
 
+# What vLLM's CPU attention accepts: it refused head_dim 16 ("Unsupported CPU
+# attention configuration"); 64 serves.
+VLLM_CONFIG: dict[str, Any] = {
+    "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+}
+
+
+def build_vllm_model(out: Path, arch: Arch = "llama", dtype: str = "bfloat16", seed: int = 0,
+                     **config: Any) -> Path:
+    """A tiny random model vLLM serves (head_dim 64), its chat template in
+    tokenizer_config.json as well as where transformers puts it."""
+    build_tiny_model(out, arch, "bpe", dtype, seed, **{**VLLM_CONFIG, **config})
+    path = out / "tokenizer_config.json"
+    tok_config = json.loads(path.read_text())
+    tok_config.setdefault("chat_template", CHAT_TEMPLATE)
+    path.write_text(json.dumps(tok_config, indent=2))
+    return out
+
+
 def copy_model(src: Path, models_dir: Path, name: str = "tiny-hf") -> Path:
     """A copy inside ``models_dir`` (a symlink would resolve outside the roots)."""
     import shutil

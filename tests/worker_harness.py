@@ -50,9 +50,10 @@ class Worker:
 
 
 @asynccontextmanager
-async def spawn_worker(model: Path, *args: str, n_ctx: int = 512) -> AsyncIterator[tuple[Worker, p.Hello]]:
-    """A worker on ``model`` (1 thread, CPU only) with further ``args``, and
-    its Hello; asked to stop (exit 0) when the block ends."""
+async def start_worker(model: Path, *args: str, n_ctx: int = 512) -> AsyncIterator[tuple[Worker, p.FromWorker]]:
+    """A worker process on ``model`` (1 thread, CPU only) with further
+    ``args``, connected, and its first message (Hello or LoadFailed);
+    killed when the block ends if it is still running."""
     sock = short_tempdir() / "w.sock"
     conn: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
         asyncio.get_running_loop().create_future())
@@ -64,13 +65,20 @@ async def spawn_worker(model: Path, *args: str, n_ctx: int = 512) -> AsyncIterat
     try:
         reader, writer = await asyncio.wait_for(conn, 60)
         worker = Worker(proc, reader, writer)
-        hello = await worker.next_msg()
-        assert isinstance(hello, p.Hello), hello
-        yield worker, hello
-        writer.write(worker.codec.encode(p.Shutdown()))
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        yield worker, await worker.next_msg()
     finally:
         server.close()
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@asynccontextmanager
+async def spawn_worker(model: Path, *args: str, n_ctx: int = 512) -> AsyncIterator[tuple[Worker, p.Hello]]:
+    """A worker on ``model`` (1 thread, CPU only) with further ``args``, and
+    its Hello; asked to stop (exit 0) when the block ends."""
+    async with start_worker(model, *args, n_ctx=n_ctx) as (worker, hello):
+        assert isinstance(hello, p.Hello), hello
+        yield worker, hello
+        worker.writer.write(worker.codec.encode(p.Shutdown()))
+        assert await asyncio.wait_for(worker.proc.wait(), 30) == 0

@@ -1,7 +1,10 @@
-"""``python -m worker``: load one GGUF and serve it to the parent over IPC.
+"""``python -m worker``: load one model and serve it to the parent over IPC.
 
-Exit codes are part of the contract: 0 = asked to stop (or parent gone),
-3 = the model cannot be loaded (do not restart), anything else = crash.
+``--engine`` names the engine (worker/engine_api.py: ``ENGINES``); its module
+is imported only once the worker has connected, so this entry point imports
+no engine of its own. Exit codes are part of the contract: 0 = asked to stop
+(or parent gone), 3 = the model cannot be loaded, also by an unknown or
+uninstalled engine (do not restart), anything else = crash.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import sys
 from pathlib import Path
 
 from worker import speculative
-from worker.engine_params import EngineOptions
+from worker.engine_api import DEFAULT_ENGINE, ENGINES, EngineOptions
 from worker.server import run
 
 
@@ -23,6 +26,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m worker")
     ap.add_argument("--socket", required=True, help="parent's Unix socket to connect to")
     ap.add_argument("--model", required=True)
+    # Not argparse choices: an unknown engine is a load failure (exit 3,
+    # reported to the parent), not a usage error the parent would restart.
+    ap.add_argument("--engine", default=DEFAULT_ENGINE,
+                    help=f"the inference engine: {', '.join(sorted(ENGINES))} (default {DEFAULT_ENGINE})")
     ap.add_argument("--n-ctx", type=int, default=4096)
     ap.add_argument("--n-gpu-layers", type=int, default=-1)
     ap.add_argument("--threads", type=int, default=0)
@@ -64,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                          args.mmproj)
     opts.lora = list(args.lora)
     opts.tensor_split = args.tensor_split
-    return asyncio.run(run(opts, args.socket, args.heartbeat))
+    return asyncio.run(run(opts, args.socket, args.heartbeat, args.engine))
 
 
 if __name__ == "__main__":

@@ -25,15 +25,8 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 
+from formats.chat_templates import CHATML_FALLBACK, FALLBACK_STOPS
 from worker.protocol import MEDIA_MARKER, ChatMessage, TextPart
-
-CHATML_FALLBACK = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-FALLBACK_STOPS = ["<|im_end|>", "<|im_start|>"]
 
 # Mistral's templates refuse any tool call id that is not nine alphanumerics.
 _NINE_CHAR_IDS = re.compile(r"""id['"\]]*\s*\|\s*length\s*!=\s*9""")

@@ -7,10 +7,11 @@ concurrently in those slots; each call streams through a callback, and
 returning True from it stops that generation.
 
 We render chat prompts ourselves (worker/chat_template.py) and use the
-engine's completions path with a GBNF grammar: with small or unusual vocabs
-the engine's chat path did not force tool calls, and its JSON-schema path
-(LLGuidance) produced unconstrained text instead of an error, so output
-formats are always GBNF built by us. Its HTTP listener is bound to a private
+engine's completions path with a grammar: with small or unusual vocabs the
+engine's chat path did not force tool calls. JSON output formats go through
+the engine's LLGuidance where the model's vocab allows it (probed at load,
+worker/guidance.py), else through a GBNF grammar built by us; forced tool
+calls and client grammars are GBNF. Its HTTP listener is bound to a private
 Unix socket and serves only tokenization and model facts to this process.
 """
 
@@ -22,19 +23,19 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import xllamacpp
 
+from formats.gguf_meta import GGUFMetaError, read_metadata
+from formats.schema_gbnf import json_object_gbnf
 from worker.adapters import AdapterError, AdapterSet
-from worker.audio import audio_format
 from worker.chat_template import ChatRenderer, TemplateError
-from worker.engine_params import EngineOptions, engine_params
-from worker.gguf_meta import GGUFMetaError, read_metadata
-from worker.grammar_guard import check_grammar, schema_to_grammar
+from worker.engine_api import Counters, Emit, EngineApi, EngineOptions, LoadError
+from worker.engine_params import engine_params
+from worker.grammar_guard import bounded_schema, check_grammar, schema_to_grammar
+from worker.guidance import CompileCheck, json_lark, vocab_accepts
 from worker.images import ImageError, check_images, placements
 from worker.protocol import (
     MEDIA_MARKER,
@@ -48,37 +49,12 @@ from worker.protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from worker.schema_gbnf import json_object_gbnf
+from worker.refusal import rejection
+from worker.speculative import load_note
 from worker.unix_http import UnixJSONClient
 from worker.vision import ProjectorError, check_projector, oai_chunk
 
 log = logging.getLogger("gpuvisor.worker")
-
-Emit = Callable[[Started | Delta | Done | Error], None]
-
-class LoadError(Exception):
-    """The model cannot be loaded (bad file, missing file, does not fit)."""
-
-
-@dataclass
-class Counters:
-    requests_done: int = 0
-    requests_cancelled: int = 0
-    tokens_generated: int = 0
-    # Speculative decoding: tokens drafted, and those the target accepted.
-    draft_tokens: int = 0
-    draft_accepted: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def count(self, finish: str, tokens: int, drafted: int = 0, accepted: int = 0) -> None:
-        with self.lock:
-            self.tokens_generated += tokens
-            self.draft_tokens += drafted
-            self.draft_accepted += accepted
-            if finish == "cancelled":
-                self.requests_cancelled += 1
-            else:
-                self.requests_done += 1
 
 
 def _sampling(params: SamplingParams, grammar: str | None, stops: list[str]) -> dict[str, Any]:
@@ -108,9 +84,13 @@ def _logprobs(choice: dict[str, Any], top: int) -> list[TokenLogprob]:
             for t in content]
 
 
-def output_grammar(params: SamplingParams) -> str | None:
-    """The GBNF that constrains the output, bounded first: a too deep grammar
-    crashes llama.cpp's parser."""
+def output_grammar(params: SamplingParams, llguidance: bool = False) -> str | None:
+    """The grammar that constrains the output: a JSON format in LLGuidance's
+    Lark where ``llguidance``, else GBNF, bounded first (a too deep grammar
+    crashes llama.cpp's parser)."""
+    if llguidance and params.grammar is None and (params.json_schema or params.json_object):
+        schema = bounded_schema(params.json_schema) if params.json_schema else {"type": "object"}
+        return check_grammar(json_lark(schema, lenient=params.json_lenient))
     if params.grammar:
         return check_grammar(params.grammar)
     if params.json_schema:
@@ -189,7 +169,14 @@ class _Stream:
                     self.cached, first - self.started_at, now - first)
 
 
+def load(opts: EngineOptions) -> EngineApi:
+    """This engine's entry in the registry (worker/engine_api.py)."""
+    return Engine(opts)
+
+
 class Engine:
+    """llama.cpp's server engine holding one model; an ``EngineApi``."""
+
     def __init__(self, opts: EngineOptions) -> None:
         self.opts = opts
         self.counters = Counters()
@@ -247,7 +234,11 @@ class Engine:
             audio=self.audio,
             adapters=list(self.adapters.paths),
             adapter_error=self.adapter_error,
+            # An embedding worker generates nothing, so it is not asked.
+            schema_grammar="" if opts.embedding else "llguidance" if vocab_accepts(self._complete) else "gbnf",
         )
+        self.llguidance = self.facts.schema_grammar == "llguidance"
+        self.guidance = CompileCheck(self._complete)
 
     def _start_held(self, opts: EngineOptions, sock: Path, mmproj: str) -> xllamacpp.Server:
         """Start with the adapters; if only they fail, without them (and say why)."""
@@ -270,7 +261,7 @@ class Engine:
         try:
             return xllamacpp.Server(engine_params(opts, mmproj, adapters))
         except (RuntimeError, ValueError, OSError) as exc:
-            raise LoadError(f"cannot load {opts.model_path}{opts.speculative.load_note()}: {exc}") from exc
+            raise LoadError(f"cannot load {opts.model_path}{load_note(opts.speculative)}: {exc}") from exc
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.http.tokenize(text, add_special=add_special, parse_special=True)
@@ -303,8 +294,15 @@ class Engine:
                 # The engine aborts the process on a prompt whose last chunk
                 # is an image (it needs a text token to sample from).
                 raise ImageError("invalid_request", "the prompt ends with an image; text must follow it")
-            grammar = output_grammar(req.params)
+            grammar = output_grammar(req.params, self.llguidance)
             lora = self.adapters.request_field(req.adapter, req.adapter_scale)
+            if grammar is not None and grammar.startswith("%llguidance"):
+                # On the request's own prompt and adapter, so the slot's cache
+                # holds its prefill for the request itself.
+                shared: dict[str, Any] = {"prompt": "a" if req.images else text}
+                if lora is not None:
+                    shared["lora"] = lora
+                self.guidance.require(grammar, shared, cancelled)
         except AdapterError as exc:
             emit(Error(req.id, "adapter_unavailable", str(exc)))
             return
@@ -328,7 +326,8 @@ class Engine:
         else:
             self.server.handle_completions(body, stream.on_chunk)
         if stream.error is not None and not stream.began:
-            emit(self._rejection(req, stream.error, grammar is not None))
+            emit(rejection(req, stream.error, grammar=grammar, n_ctx=self.n_ctx,
+                           grammar_refusal=self._grammar_refusal))
             return
         if stream.error is not None:
             emit(Error(req.id, "engine_error", str(stream.error.get("message", stream.error))))
@@ -347,25 +346,34 @@ class Engine:
                 if stream.on_chunk(oai_chunk(event)):
                     break  # closing the connection stops the generation
 
-    def _rejection(self, req: Generate, error: dict[str, Any], has_grammar: bool) -> Error:
-        """A request the engine refused before its slot began."""
-        message = str(error.get("message", "the engine refused the request"))
-        if req.images and ("image" in message.lower() or "audio" in message.lower()):
-            # Our checks pass only known formats by their magic bytes; the
-            # engine's decoder refuses a corrupt body with one message for
-            # both kinds ("failed to load image or audio file").
-            if any(audio_format(b) is not None for b in req.images):
-                return Error(req.id, "invalid_audio", f"cannot decode an image or audio clip: {message}")
-            return Error(req.id, "invalid_image", f"cannot decode an image: {message}")
-        if error.get("type") == "exceed_context_size_error":
-            return Error(req.id, "context_length_exceeded",
-                         f"the prompt has {error.get('n_prompt_tokens')} tokens; "
-                         f"the model's context is {error.get('n_ctx', self.n_ctx)}")
-        if error.get("type") == "invalid_request_error" and has_grammar:
-            # Our own request fields are valid by construction; a refused
-            # request that carried a grammar was refused for its grammar.
-            return Error(req.id, "invalid_grammar", f"cannot build the output grammar: {message}")
-        return Error(req.id, "invalid_request", message)
+    def _complete(self, body: dict[str, Any], cancelled: threading.Event) -> tuple[str, dict[str, Any] | None]:
+        """One short completion for the worker itself (the LLGuidance probes):
+        its text, and the engine's error if it refused."""
+        text: list[str] = []
+        errors: list[dict[str, Any]] = []
+
+        def on_chunk(chunk: Any) -> bool:
+            for item in chunk if isinstance(chunk, list) else [chunk]:
+                if "error" in item:
+                    errors.append(item["error"])
+                text.extend(c.get("text") or "" for c in item.get("choices", []))
+            return cancelled.is_set() or bool(errors)
+
+        self.server.handle_completions({**body, "stream": True}, on_chunk)
+        return "".join(text), errors[0] if errors else None
+
+    def _grammar_refusal(self, grammar: str) -> dict[str, Any] | None:
+        """The engine's refusal of this grammar alone, or None: one token of a
+        one-token prompt under it (a grammar is parsed as its slot starts)."""
+        refused: list[dict[str, Any]] = []
+
+        def on_chunk(chunk: Any) -> bool:
+            refused.extend(c["error"] for c in (chunk if isinstance(chunk, list) else [chunk]) if "error" in c)
+            return bool(refused)
+
+        self.server.handle_completions({"prompt": "a", "max_tokens": 1, "temperature": 0.0,
+                                        "grammar": grammar, "stream": True}, on_chunk)
+        return refused[0] if refused else None
 
     def embed(self, inputs: list[str]) -> tuple[list[list[float]], int]:
         out = self.server.handle_embeddings({"input": inputs})
@@ -374,3 +382,8 @@ class Engine:
         data = sorted(out["data"], key=lambda d: int(d["index"]))
         vectors = [[float(x) for x in d["embedding"]] for d in data]
         return vectors, int(out.get("usage", {}).get("prompt_tokens", 0))
+
+    def close(self) -> None:
+        """Nothing to release: the worker exits with ``os._exit``, and the OS
+        frees the engine. Its destructor is never run: it can wait forever for
+        a server loop that never started serving (seen with xllamacpp 2026.10)."""

@@ -3,17 +3,17 @@ worker's options (context per slot, cache types, layers and their split over
 GPUs, the projector, speculative decoding, LoRA adapters).
 
 Apart from the engine itself so that the memory fit's tests and the
-benchmarks build exactly the settings a worker runs with.
+benchmarks build exactly the settings a worker runs with. The options
+themselves are engine-free (``EngineOptions``, worker/engine_api.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import xllamacpp
 
 from worker.adapters import AdapterSet
-from worker.speculative import SpeculativeOptions
+from worker.engine_api import EngineOptions
+from worker.protocol import SpeculativeOptions
 
 CACHE_TYPES = {
     "f16": xllamacpp.ggml_type.GGML_TYPE_F16,
@@ -25,28 +25,35 @@ CACHE_TYPES = {
 # during a long prefill; by then it has begun the next step, so a cancelled
 # prefill runs on for up to two of them (measured: bench/engine.py).
 PREFILL_BATCH = 512
+_SPECULATIVE_TYPES = {
+    "draft": xllamacpp.common_speculative_type.COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE,
+    "mtp": xllamacpp.common_speculative_type.COMMON_SPECULATIVE_TYPE_DRAFT_MTP,
+    "ngram": xllamacpp.common_speculative_type.COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE,
+}
 
 
-@dataclass
-class EngineOptions:
-    model_path: str
-    n_ctx: int
-    n_gpu_layers: int
-    n_threads: int
-    embedding: bool
-    cache_type: str = "f16"
-    # Speculative decoding: mode, draft model and draft lengths (worker/speculative.py).
-    speculative: SpeculativeOptions = SpeculativeOptions()
-    # Generations run at once, each in its own slot of n_ctx tokens.
-    parallel: int = 1
-    # Where the engine's own HTTP listener binds (a Unix socket, never TCP).
-    engine_socket: str = ""
-    # The model's image projector (mmproj GGUF); "" = text only.
-    mmproj: str = ""
-    # GGUF LoRA adapters to hold, applied per request (worker/adapters.py).
-    lora: list[str] = field(default_factory=list)
-    # Shares of the layers per visible GPU (a split over several); empty: one GPU.
-    tensor_split: tuple[float, ...] = ()
+def apply_speculative(p: xllamacpp.CommonParams, spec: SpeculativeOptions, n_gpu_layers: int) -> None:
+    """Set the engine's speculative parameters (nothing when off)."""
+    if spec.mode == "off":
+        return
+    p.speculative.types = [_SPECULATIVE_TYPES[spec.mode]]
+    if spec.mode == "ngram":
+        # Prompt lookup drafts up to size_m tokens after a match of the last size_n.
+        if spec.draft_max:
+            p.speculative.ngram_simple.size_m = spec.draft_max
+        return
+    draft = p.speculative.draft
+    if spec.draft_min:
+        draft.n_min = spec.draft_min
+    if spec.draft_max:
+        draft.n_max = spec.draft_max
+    if spec.mode == "mtp":
+        # The MTP head lives in the target's own file; loading it is opt-in.
+        p.load_mtp = True
+        return
+    draft.mparams.path = spec.draft_model
+    # The draft sits where the target does: all on the GPU, or all on the CPU.
+    draft.n_gpu_layers = -1 if n_gpu_layers != 0 else 0
 
 
 # The engine's tensor_split is a fixed array: one share per possible device.
@@ -107,7 +114,7 @@ def engine_params(opts: EngineOptions, mmproj: str = "",
     # scores, which memfit does not plan for. Forced on, such an op just runs
     # on the device that has the kernel.
     p.flash_attn_type = xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_ENABLED
-    opts.speculative.apply(p, opts.n_gpu_layers)
+    apply_speculative(p, opts.speculative, opts.n_gpu_layers)
     p.hostnames = [opts.engine_socket]
     if mmproj:
         p.mmproj.path = mmproj

@@ -11,12 +11,17 @@ Framing: a 4-byte big-endian length, then one msgpack message. Frames above
 Messages are tagged ``msgspec.Struct``s, one union per direction. New fields
 get defaults; a field never changes type. Bump ``PROTOCOL_VERSION`` only for
 changes an old peer cannot ignore.
+
+The worker's command line is the other half of the contract: the options the
+parent passes there that have a structure of their own (speculative
+decoding) are defined here too, with the arguments that carry them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import struct
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
@@ -47,6 +52,38 @@ class TruncatedFrame(ProtocolError):
 
 class InvalidMessage(ProtocolError):
     pass
+
+
+# ---------------------------------------------------------- the command line
+
+SpeculativeMode = Literal["off", "draft", "mtp", "ngram"]
+SPECULATIVE_MODES: tuple[SpeculativeMode, ...] = ("off", "draft", "mtp", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """Speculative decoding as a worker runs it. The parent resolves ``auto``
+    (against its model library); a worker only applies one of these modes."""
+
+    mode: SpeculativeMode = "off"
+    # The draft model's GGUF (mode "draft" only).
+    draft_model: str = ""
+    # Tokens drafted per step; 0 = the engine's default.
+    draft_min: int = 0
+    draft_max: int = 0
+
+    def argv(self) -> list[str]:
+        """The worker arguments that carry these options (worker/speculative.py reads them)."""
+        if self.mode == "off":
+            return []
+        args = ["--speculative", self.mode]
+        if self.draft_model:
+            args += ["--draft-model", self.draft_model]
+        if self.draft_min:
+            args += ["--draft-min", str(self.draft_min)]
+        if self.draft_max:
+            args += ["--draft-max", str(self.draft_max)]
+        return args
 
 
 # ---------------------------------------------------------------- shared parts
@@ -103,6 +140,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     grammar: str | None = None
     json_schema: str | None = None
     json_object: bool = False
+    # Where the engine enforces schemas with LLGuidance (ModelFacts.schema_grammar):
+    # let it ignore the keywords it does not implement instead of refusing
+    # the schema (the parent allows that only when the client did not ask
+    # for strict, and logs a warning).
+    json_lenient: bool = False
     ignore_eos: bool = False
     # Token log-probabilities: None = off, N = with the N most likely
     # alternatives at each position (0 = the chosen token's only).
@@ -180,6 +222,11 @@ class ModelFacts(msgspec.Struct):
     # but the engine refused them, why; it then serves the base alone.
     adapters: list[str] = []
     adapter_error: str = ""
+    # What enforces JSON-schema output formats: "llguidance" (the llama.cpp
+    # engine's, where the model's vocab passed the load probe), "gbnf" (our
+    # converter, which enforces fewer keywords: formats/schema_keywords.py),
+    # or "" (an engine's own structured outputs, e.g. vLLM's).
+    schema_grammar: str = ""
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -236,6 +283,9 @@ class Done(msgspec.Struct, tag=True):
     # Seconds from request receipt to first token, and generation time after it.
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # The request's time limit ended it (finish_reason is then "length"):
+    # set by the parent, whose clock cancelled it (supervisor/workers/replies.py).
+    timed_out: bool = False
 
 
 class Error(msgspec.Struct, tag=True):

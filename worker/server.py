@@ -4,7 +4,8 @@ Frames are read on the asyncio loop; each generation, embedding or
 tokenization runs on its own thread of a pool sized to the engine's slots,
 and the engine batches the generations running at once. Messages produced by
 those threads are queued and written by the loop, merging consecutive deltas
-of one request when the loop falls behind.
+of one request when the loop falls behind. The engine is known here only by
+its interface (``EngineApi``, worker/engine_api.py, which says why threads).
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 
 from worker import protocol as p
-from worker.engine import Engine, LoadError
-from worker.engine_params import EngineOptions
+from worker.engine_api import EngineApi, EngineOptions, LoadError, loader
 
 log = logging.getLogger("gpuvisor.worker")
 
@@ -106,7 +106,7 @@ class Outbox:
 
 
 class WorkerServer:
-    def __init__(self, engine: Engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+    def __init__(self, engine: EngineApi, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  heartbeat_s: float) -> None:
         self.engine = engine
         self.reader = reader
@@ -228,14 +228,19 @@ class WorkerServer:
             self.outbox.send(p.Error(req_id, "internal_error", f"{type(exc).__name__}: {exc}"))
 
 
-async def run(opts: EngineOptions, socket_path: str, heartbeat_s: float) -> int:
+def load_engine(name: str, opts: EngineOptions) -> EngineApi:
+    """Import engine ``name`` and load the model into it (LoadError when either fails)."""
+    return loader(name)(opts)
+
+
+async def run(opts: EngineOptions, socket_path: str, heartbeat_s: float, engine_name: str) -> int:
     watch_stdin()
     reader, writer = await asyncio.open_unix_connection(socket_path)
     codec = p.worker_codec()
     try:
-        # Loading takes seconds to minutes in native code: off the loop, so
-        # the connection stays serviced meanwhile.
-        engine = await asyncio.to_thread(Engine, opts)
+        # Importing an engine and loading take seconds to minutes: off the
+        # loop, so the connection stays serviced meanwhile.
+        engine = await asyncio.to_thread(load_engine, engine_name, opts)
     except LoadError as exc:
         writer.write(codec.encode(p.LoadFailed(p.PROTOCOL_VERSION, str(exc))))
         await writer.drain()
@@ -243,7 +248,10 @@ async def run(opts: EngineOptions, socket_path: str, heartbeat_s: float) -> int:
         return p.EXIT_LOAD_FAILED
     writer.write(codec.encode(p.Hello(p.PROTOCOL_VERSION, os.getpid(), engine.facts)))
     await writer.drain()
-    code = await WorkerServer(engine, reader, writer, heartbeat_s).serve()
+    try:
+        code = await WorkerServer(engine, reader, writer, heartbeat_s).serve()
+    finally:
+        await asyncio.to_thread(engine.close)
     writer.close()
     return code
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from worker.gguf_meta import GGUFMetaError, read_header
+from formats.gguf_meta import GGUFMetaError, read_header
 
 _REQUIRED_ARRAYS = ("clip.vision.image_mean", "clip.vision.image_std")
 

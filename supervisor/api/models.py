@@ -16,6 +16,7 @@ from supervisor.api.io import decode_json, json_response, read_body
 from supervisor.appkeys import LIBRARY, POOL
 from supervisor.config import ModelSettings
 from supervisor.errors import BadRequest, ModelNotFound
+from supervisor.generation.profile import file_tool_format
 from supervisor.models.library import ModelEntry
 from supervisor.models.projector import Modalities, projector_modalities
 from supervisor.workers.drafting import describe_speculative
@@ -46,6 +47,7 @@ def model_media(pool: WorkerPool, entry: ModelEntry) -> tuple[Modalities, str]:
 
 def describe_model(entry: ModelEntry, pool: WorkerPool) -> dict[str, Any]:
     info = entry.info
+    facts = info or entry.hf  # a GGUF header's facts, or an hf model's config
     media, vision_error = model_media(pool, entry)
     status = pool.status(entry.id)
     fit = pool.fits.get((entry.id, False))
@@ -57,16 +59,20 @@ def describe_model(entry: ModelEntry, pool: WorkerPool) -> dict[str, Any]:
         "files": len(entry.files),
         "size_bytes": entry.size_bytes,
         "source": entry.source,
+        "kind": entry.kind,
+        "engine": entry.engine,
         "repo_id": entry.repo_id,
         "mmproj": entry.mmproj,
         "vision": media.vision,
         "audio": media.audio,
         "vision_error": vision_error or None,
         "quantization": entry.quantization,
-        "architecture": info.architecture if info else None,
-        "context_length": info.context_length if info else None,
-        "n_layer": info.n_layer if info else None,
+        "architecture": facts.architecture if facts else None,
+        "context_length": facts.context_length if facts else None,
+        "n_layer": facts.n_layer if facts else None,
         "supports_tools": bool(info and info.supports_tools),
+        # How tools are offered: "native-<style>" or "generic" (generation/profile.py).
+        "tool_format": file_tool_format(info.chat_template) if info else None,
         "supports_reasoning": bool(info and info.supports_reasoning),
         "usable": entry.usable,
         "reason": (status or {}).get("reason") or entry.reason or pool.speculative.refusals.get(entry.id),
@@ -80,7 +86,22 @@ def describe_model(entry: ModelEntry, pool: WorkerPool) -> dict[str, Any]:
         "log_tail": _log_tail(pool, entry.id),
         # The LoRA adapters that fit this base, served as <id>:<adapter> (adapter_views.py).
         "adapters": base_adapters(entry),
+        # What enforces JSON-schema output formats, once its worker said (null before).
+        "structured_output": _structured_output(pool, entry),
+        # The runaway guard, for requests that set no limit of their own.
+        "limits": {"default_max_tokens": pool.cfg.default_max_tokens or None,
+                   "request_timeout_s": pool.cfg.request_timeout_s or None},
     }
+
+
+def _structured_output(pool: WorkerPool, entry: ModelEntry) -> str | None:
+    """"llguidance" where the engine's LLGuidance accepts the model's vocab,
+    "gbnf" for our fallback, "engine" for an engine's own (vLLM's)."""
+    handle = pool.handles.get((entry.id, False))
+    facts = handle.facts if handle is not None else None
+    if facts is None:
+        return None
+    return facts.schema_grammar or "engine"
 
 
 def _log_tail(pool: WorkerPool, model_id: str) -> str | None:

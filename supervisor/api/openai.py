@@ -23,6 +23,7 @@ import msgspec
 from aiohttp import web
 
 from supervisor.api.adapter_views import v1_pairs
+from supervisor.api.callers import caller_of
 from supervisor.api.io import SseWriter, decode_body, json_response
 from supervisor.api.models import model_media
 from supervisor.api.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
@@ -30,8 +31,9 @@ from supervisor.api.streaming import open_stream
 from supervisor.appkeys import CONFIG, POOL
 from supervisor.errors import ApiError, BadRequest
 from supervisor.generation.images import Images, require_media, require_vision
+from supervisor.generation.output_format import enforce_format
 from supervisor.generation.pieces import Piece, Reasoning, StreamParser, Text, ToolCall
-from supervisor.generation.profile import profile_for
+from supervisor.generation.profile import served_profile
 from supervisor.models.library import ModelEntry
 from supervisor.models.projector import Modalities, projector_modalities
 from supervisor.responses.items import new_id
@@ -291,8 +293,11 @@ async def _stream(request: web.Request, shape: _Shape, choices: list[_Choice],
             await sse.data(shape.usage_chunk(dones, sum(c.reply.reasoning_tokens for c in choices)))
         await sse.raw(b"data: [DONE]\n\n")
     except ApiError as err:
-        # Mid-stream failure: a final error object, then the stream ends.
+        # Mid-stream failure (a crash, the shutdown): a final error object,
+        # then the stream's usual end, so a client reading to [DONE] sees a
+        # complete stream rather than a cut connection (vLLM does the same).
         await sse.data(err.body())
+        await sse.raw(b"data: [DONE]\n\n")
     await sse.close()
     return sse.response
 
@@ -340,15 +345,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # The template decides the tool-call format and whether the model thinks.
     facts = await pool.facts(req.model)
     require_vision(req.model, images, facts)
-    profile = profile_for(facts.chat_template)
+    profile = served_profile(facts)
+    schema = params.json_schema
     plan = await asyncio.to_thread(functools.partial(
         tool_plan, messages, params, profile, tools=offer.functions, choice=offer.choice,
         parallel=req.parallel_calls, template_vars=profile.template_vars(req.reasoning_effort)))
+    enforce_format(schema, plan.params, facts, generic_answer=plan.may_answer, strict=req.schema_strict,
+                   param="response_format.json_schema.schema", model=req.model)
     async with AsyncExitStack() as stack:
         choices = await _admit(stack, pool, req.model, lambda: Reply.of(plan), _choice_params(plan.params, req.n),
                                messages=plan.messages, tools=plan.tools, template_vars=plan.template_vars,
                                request_id=request.get("request_id", ""), keep_alive=keep_alive,
-                               images=images.data, lora_scale=req.lora_scale)
+                               images=images.data, lora_scale=req.lora_scale, caller=caller_of(request))
         return await _reply(request, _Shape(True, req.model), choices, req.stream, req.include_usage)
 
 
@@ -366,7 +374,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async with AsyncExitStack() as stack:
         choices = await _admit(stack, request.app[POOL], req.model, reply, _choice_params(params, req.n),
                                prompt=prompt, request_id=request.get("request_id", ""),
-                               keep_alive=req.keep_alive_s(), lora_scale=req.lora_scale)
+                               keep_alive=req.keep_alive_s(), lora_scale=req.lora_scale,
+                               caller=caller_of(request))
         return await _reply(request, _Shape(False, req.model), choices, req.stream, req.include_usage,
                             echo=prompt if req.echo else None)
 
@@ -374,7 +383,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def embeddings(request: web.Request) -> web.Response:
     req = await decode_body(request, EmbeddingRequest)
     try:
-        result = await request.app[POOL].embed(req.model, req.inputs())
+        result = await request.app[POOL].embed(req.model, req.inputs(), caller_of(request))
     except Rejected as exc:
         raise exc.blaming("input") from exc
     data = []
@@ -402,7 +411,7 @@ async def list_models(request: web.Request) -> web.Response:
         reason = status["reason"] if status else entry.reason
         data.append({"id": entry.id, "object": "model", "created": int(entry.mtime),
                      "owned_by": "gpuvisor", "state": state, "reason": reason,
-                     **_media_flags(pool, entry)})
+                     "engine": entry.engine, **_media_flags(pool, entry)})
     data += v1_pairs(pool)  # <base>:<adapter> pairs (supervisor/api/adapter_views.py)
     return json_response({"object": "list", "data": data})
 

@@ -247,6 +247,12 @@ class ChatRequest(Sampling, kw_only=True):
     def parallel_calls(self) -> bool:
         return self.parallel_tool_calls is not False
 
+    @property
+    def schema_strict(self) -> bool:
+        """Whether the client asked for its JSON schema to hold exactly."""
+        fmt = self.response_format
+        return bool(fmt is not None and fmt.json_schema is not None and fmt.json_schema.strict)
+
     def chat_sampling(self) -> SamplingParams:
         params = self.sampling(self.max_completion_tokens)
         fmt = self.response_format

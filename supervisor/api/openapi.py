@@ -47,6 +47,8 @@ STATUS_TEXT = {
     404: "Not found",
     409: "Conflict with the current state",
     413: "Request body over the size limit",
+    429: "Refused for a while: this caller's requests keep crashing model workers (`crash_cooldown`); "
+         "see Retry-After",
     502: "The model worker failed while serving the request",
     503: "Temporarily refused (queue full, GPU held by a job, model failed or loading); see Retry-After",
 }
@@ -88,7 +90,7 @@ _BOOL_TEXT = {"type": "string", "enum": ["true", "false", "1", "0"]}
 _MODEL_ID = {"id": "A model id as listed by `/api/models` (may contain '/')."}
 _JOB_ID = {"id": "A job id (`job_...`)."}
 _RESPONSE_ID = {"response_id": "A stored response id (`resp_...`)."}
-_INFERENCE_ERRORS = (400, 404, 413, 502, 503)
+_INFERENCE_ERRORS = (400, 404, 413, 429, 502, 503)
 _NO_BODY = (303, 304)
 
 ROUTES: tuple[Operation, ...] = (

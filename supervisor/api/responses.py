@@ -1,4 +1,5 @@
-"""HTTP routes of the Responses API (``/v1/responses``)."""
+"""HTTP routes of the Responses API (``/v1/responses``), and :func:`setup`,
+which wires the service (supervisor/responses/) into the app with them."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ from typing import Literal
 from aiohttp import web
 
 from supervisor.api.auth import request_scope
+from supervisor.api.callers import caller_of
 from supervisor.api.io import SseWriter, decode_body, json_response
 from supervisor.api.streaming import Keepalive
 from supervisor.appkeys import RESPONSES
 from supervisor.errors import BadRequest
+from supervisor.responses.background import DEFAULT_PRUNE_INTERVAL_S, DEFAULT_RETENTION_S
 from supervisor.responses.events import Event
+from supervisor.responses.lifecycle import ResponsesApi
 from supervisor.responses.models import CreateRequest, validate
-from supervisor.responses.service import ResponsesService, ResponseStream
+from supervisor.responses.service import DEFAULT_KEEPALIVE_S, ResponsesService, ResponseStream
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, CreateRequest)
     # In a thread: validation decodes the input images (up to 12 MiB of base64).
     valid = await asyncio.to_thread(validate, body)
+    valid.caller = caller_of(request)  # background runs too blame crashes on who asked
     service = _service(request)
     owner = request_scope(request)  # the creating key: only it (and the admin) may use the response
     if body.background:
@@ -173,3 +178,20 @@ def add_routes(app: web.Application) -> None:
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
+
+
+def setup(
+    app: web.Application,
+    *,
+    retention_s: float = DEFAULT_RETENTION_S,
+    prune_interval_s: float = DEFAULT_PRUNE_INTERVAL_S,
+    keepalive_s: float = DEFAULT_KEEPALIVE_S,
+) -> ResponsesApi:
+    """Add the routes, the ``RESPONSES`` state and its cleanup context, which
+    starts after the database and the pool (add it after their contexts) and
+    stops, cancelling background responses, before them."""
+    api = ResponsesApi(retention_s=retention_s, prune_interval_s=prune_interval_s, keepalive_s=keepalive_s)
+    app[RESPONSES] = api
+    add_routes(app)
+    app.cleanup_ctx.append(api.context)
+    return api

@@ -33,6 +33,22 @@ class ShutdownState:
         self.hurry = asyncio.Event()
 
 
+def waiting_line(requests: int, jobs: int, bound: float, job_grace: float) -> str:
+    """The one line a stop logs: what it waits for, how long, and how to cut it short."""
+    waits = []
+    if requests:
+        waits.append(f"up to {bound:g}s for {_count(requests, 'open request', 'open requests')} "
+                     "(streams included) to finish")
+    if jobs:
+        waits.append(f"up to {job_grace:g}s for {_count(jobs, 'job', 'jobs')} to checkpoint and stop")
+    if not waits:
+        return "shutting down: no open requests or jobs to wait for"
+    return (f"shutting down: waiting {' and '.join(waits)}; press Ctrl-C again (or send a second SIGTERM) "
+            "to stop now")
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 @web.middleware
@@ -51,11 +67,11 @@ async def drain(app: web.Application) -> None:
     runner = app.get(JOB_RUNNER)
     if pool is None or runner is None:
         return  # startup failed before the lab existed; the contexts unwind it
-    bound = app[CONFIG].shutdown_timeout
+    cfg = app[CONFIG]
+    bound = cfg.shutdown_timeout
     handles = list(pool.handles.values())
-    busy = sum(1 for h in handles if h.busy)
-    log.info("draining: %d busy workers get up to %.0fs, %d jobs asked to stop",
-             busy, bound, len(runner.running()))
+    log.info("%s", waiting_line(sum(len(h.inflight) + len(h.queue) for h in handles),
+                                len(runner.running()), bound, cfg.job_grace_s))
     # The handles stay in the pool (its cleanup context stops them again, a
     # no-op by then); this middleware keeps new requests from reaching them.
     drains = [h.drain(bound, REASON, "shutting_down") for h in handles]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from worker.schema_gbnf import SchemaGrammar, gbnf_literal
+from formats.schema_gbnf import SchemaGrammar, gbnf_literal
 
 ToolStyle = Literal["hermes", "mistral", "mistral_args", "llama3", "deepseek", "harmony"]
 
@@ -40,13 +40,13 @@ DEEPSEEK_CALL_END = "<｜tool▁call▁end｜>"
 DEEPSEEK_SEP = "<｜tool▁sep｜>"
 
 
-def _args_rule(g: SchemaGrammar, name: str, parameters: dict[str, Any] | None) -> str:
+def args_rule(g: SchemaGrammar, name: str, parameters: dict[str, Any] | None) -> str:
     # A tool that declares no parameters takes none; arguments are always an object.
     args = g.schema_rule(parameters, f"args-{name}", root=parameters) if parameters else "empty-object"
     return "object" if args == "value" else args
 
 
-def _call_body(name: str, args: str, style: ToolStyle) -> str:
+def call_body(name: str, args: str, style: ToolStyle) -> str:
     """The GBNF of one call to ``name`` whose arguments match rule ``args``."""
     if style == "mistral_args":
         return f"{gbnf_literal(name + '[ARGS]')} {args}"
@@ -94,7 +94,7 @@ def tool_call_grammar(
     if not tools:
         raise ValueError("tool_call_grammar needs at least one tool")
     g = SchemaGrammar()
-    calls = [g.add(f"call-{name}", _call_body(name, _args_rule(g, name, params), style)) for name, params in tools]
+    calls = [g.add(f"call-{name}", call_body(name, args_rule(g, name, params), style)) for name, params in tools]
     call = g.add("call", " | ".join(calls))
     if style == "hermes":
         call = g.add("hermes-call", f'"<tool_call>\\n" {call} "\\n</tool_call>"')

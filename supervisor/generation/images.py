@@ -7,6 +7,12 @@ tells them), or too large. WebP is refused by name: the engine's decoder
 (stb_image) does not read it, and would refuse it with a generic message. A request's images all travel to the worker in
 one IPC frame, so their total is bounded below the frame limit too.
 
+Decompression bombs are refused here, from the headers, before any decoding
+(formats/images.py, formats/audio.py say why the limits are what they are):
+pixels per image and per request, and a PNG whose data inflates past its
+stated size; a clip's length and sample rate, and the request's total
+length. The worker checks the same again before its engine decodes.
+
 Remote (``http(s)``) image URLs are refused: nothing here fetches them.
 Fetching (with its own size, time and address limits) would need a setting
 to turn it on; that is future work.
@@ -15,12 +21,21 @@ to turn it on; that is future work.
 from __future__ import annotations
 
 import binascii
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from formats.audio import FORMATS as AUDIO_FORMATS
+from formats.audio import AudioError, AudioTooLong, check_clip, check_request_seconds
+from formats.images import (
+    ImageRefused,
+    ImageTooLarge,
+    check_image,
+    check_request_pixels,
+    image_format,
+    image_size,
+)
 from supervisor.errors import BadRequest
-from worker.audio import FORMATS as AUDIO_FORMATS
-from worker.audio import AudioError, check_audio
-from worker.images import image_format
 from worker.protocol import MAX_FRAME, MAX_IMAGE_BYTES, MAX_IMAGES, ModelFacts
 
 # What a request's images may total: the frame also carries the messages,
@@ -75,22 +90,37 @@ def decode_data_url(url: str, param: str) -> bytes:
     if declared and declared.startswith("image/") and declared not in _MEDIA_TYPES.values():
         raise BadRequest(f"unsupported image type {declared}; PNG, JPEG and GIF are",
                          param=param, code="invalid_image")
+    with _refusals(param):
+        check_image(data)
     return data
 
 
 def decode_audio(data_b64: str, declared: str, param: str) -> bytes:
     """An ``input_audio`` part's clip: base64 WAV, MP3 or FLAC, long enough
-    for the engine (see worker/audio.py); a 400 naming ``param`` otherwise."""
+    for the engine (see formats/audio.py); a 400 naming ``param`` otherwise."""
     fmt = declared.lower()
     if fmt not in AUDIO_FORMATS:
         raise BadRequest(f"unsupported audio format {declared!r}; wav, mp3 and flac are",
                          param=f"{param}.input_audio.format", code="invalid_audio")
     data = _decode_base64(data_b64, param, "audio")
+    with _refusals(param):
+        check_clip(data, fmt)
+    return data
+
+
+@contextmanager
+def _refusals(param: str) -> Iterator[None]:
+    """The media checks' refusals as 400s naming ``param``."""
     try:
-        check_audio(data, fmt)
+        yield
+    except ImageTooLarge as exc:
+        raise BadRequest(str(exc), param=param, code="image_too_large") from exc
+    except ImageRefused as exc:
+        raise BadRequest(str(exc), param=param, code="invalid_image") from exc
+    except AudioTooLong as exc:
+        raise BadRequest(str(exc), param=param, code="audio_too_long") from exc
     except AudioError as exc:
         raise BadRequest(str(exc), param=param, code="invalid_audio") from exc
-    return data
 
 
 @dataclass
@@ -103,6 +133,8 @@ class Images:
     params: list[str] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)  # "image" or "audio"
     total: int = 0
+    pixels: int = 0  # of every image, from their headers
+    seconds: float = 0.0  # of every clip
 
     def add(self, url: str, param: str) -> None:
         if len(self.data) >= MAX_IMAGES:
@@ -124,6 +156,14 @@ class Images:
         if self.total + len(data) > MAX_TOTAL_IMAGE_BYTES:
             raise BadRequest(f"the request's images total more than {MAX_TOTAL_IMAGE_BYTES} bytes",
                              param=param, code="image_too_large")
+        # Headers only (checked whole when decoded); stored history is counted too.
+        with _refusals(param):
+            if kind == "audio":
+                self.seconds += check_clip(data).seconds
+                check_request_seconds(self.seconds)
+            else:
+                self.pixels += image_size(data).pixels
+                check_request_pixels(self.pixels)
         self.data.append(data)
         self.params.append(param)
         self.kinds.append(kind)

@@ -4,13 +4,32 @@ The parent never renders templates; it only reads the template text the
 worker reports (``ModelFacts.chat_template``) to decide how to parse the
 output, which template variables carry the reasoning effort, and which
 tool-call format a grammar must produce.
+
+How a template takes tools (``ToolSupport``):
+- native: it lists the tools and its model has a call format of its own;
+- unlisted: a call format (DeepSeek-R1's) but no tool list: the tools are
+  listed in the system prompt for it, and its own format is kept;
+- none: neither (Llama 2, Gemma, Phi, plain ChatML, a GGUF with no template):
+  the tools go in llama.cpp's generic format (``generic_calls``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Literal
 
+from formats.chat_templates import CHATML_FALLBACK
 from supervisor.generation.grammar import DEEPSEEK_CALLS_BEGIN, ToolStyle
+from worker.protocol import ModelFacts
+
+ToolSupport = Literal["native", "unlisted", "none"]
+
+# A template that names ``tools`` renders the request's tool list.
+_LISTS_TOOLS = re.compile(r"\btools\b")
+# "System role not supported" and the like.
+_REFUSES_SYSTEM = re.compile(r"system\s+(?:role|message|prompt)s?\s+(?:is\s+|are\s+)?not\s+supported",
+                             re.IGNORECASE)
 
 
 def _opens_think(template: str) -> bool:
@@ -42,6 +61,20 @@ class TemplateProfile:
     effort_var: str | None = None
     toggle_var: str | None = None
     tool_style: ToolStyle = "hermes"
+    tool_support: ToolSupport = "native"
+    # False for a template that refuses a system message (Gemma 2, Mistral v0.1):
+    # text for the system prompt then goes at the start of the first user turn.
+    system_role: bool = True
+
+    @property
+    def generic_tools(self) -> bool:
+        """The tools go in llama.cpp's generic JSON format (the template has none)."""
+        return self.tool_support == "none"
+
+    @property
+    def tool_format(self) -> str:
+        """What ``/api/models`` says: "generic", or "native-<style>" (e.g. native-hermes)."""
+        return "generic" if self.generic_tools else f"native-{self.tool_style}"
 
     @property
     def harmony(self) -> bool:
@@ -65,7 +98,8 @@ def _harmony(template: str) -> bool:
     return "<|channel|>" in template and "<|message|>" in template
 
 
-def _tool_style(template: str) -> ToolStyle:
+def _call_format(template: str) -> ToolStyle | None:
+    """The call format the template's markup shows, if any."""
     if _harmony(template):
         return "harmony"
     if DEEPSEEK_CALLS_BEGIN in template:
@@ -77,20 +111,50 @@ def _tool_style(template: str) -> ToolStyle:
         return "hermes"
     if "<|python_tag|>" in template or ("<|start_header_id|>" in template and "parameters" in template):
         return "llama3"
-    return "hermes"
+    return None
+
+
+def _tool_support(template: str, style: ToolStyle | None) -> ToolSupport:
+    if _LISTS_TOOLS.search(template):
+        return "native"  # a tool list with no known markup keeps the Hermes default, as before
+    return "unlisted" if style is not None else "none"
+
+
+def _takes_system(template: str) -> bool:
+    """Whether a system message renders: not when the template says it refuses
+    one, nor when it refuses roles it does not know and never names "system"."""
+    if _REFUSES_SYSTEM.search(template):
+        return False
+    return "system" in template or "raise_exception" not in template
 
 
 def profile_for(template: str | None) -> TemplateProfile:
+    """The profile of ``template``; None is a template whose text is not known
+    (Hermes, native), not a model without one: see :func:`served_profile`."""
     if not template:
         return TemplateProfile()
     toggle = "enable_thinking" if "enable_thinking" in template else None
     effort = "reasoning_effort" if "reasoning_effort" in template else None
     # A harmony model reasons on its analysis channel.
     thinks = "<think>" in template or "</think>" in template or toggle is not None or _harmony(template)
+    style = _call_format(template)
     return TemplateProfile(
         thinks=thinks,
         starts_in_reasoning=_opens_think(template),
         effort_var=effort,
         toggle_var=toggle,
-        tool_style=_tool_style(template),
+        tool_style=style or "hermes",
+        tool_support=_tool_support(template, style),
+        system_role=_takes_system(template),
     )
+
+
+def served_profile(facts: ModelFacts) -> TemplateProfile:
+    """The profile of the template a worker renders with: a model without one
+    is prompted in the worker's ChatML fallback, which offers no tools."""
+    return profile_for(facts.chat_template if facts.has_chat_template else CHATML_FALLBACK)
+
+
+def file_tool_format(template: str | None) -> str:
+    """The tool format a model whose file holds ``template`` (None: none) gets."""
+    return profile_for(template or CHATML_FALLBACK).tool_format

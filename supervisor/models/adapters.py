@@ -3,8 +3,9 @@
 A GGUF whose ``general.type`` is ``adapter`` is no model of its own: the
 library lists it here and links it to base models. The candidates are the
 models named by the adapter's recorded base (``general.base_model.0.name``,
-matched against a model's ``general.name`` and its file name), or, when it
-records none, every model of its architecture. A candidate fits when its
+matched against a model's ``general.name`` and its file name; a base
+named ``<name>-hf`` also names the GGUF ``<name>``), or, when it records
+none, every model of its architecture. A candidate fits when its
 architecture is the adapter's and every weight the adapter changes exists
 in it with the same shape (the engine refuses anything else at load, and
 would take the base down with it). Each fitting pair is served under its
@@ -25,6 +26,7 @@ import msgspec
 
 # The header reader's own cursor and key parser: its tensor index keeps only
 # sizes, and linking needs each tensor's shape.
+from supervisor.models.file_faults import FaultLog
 from supervisor.models.gguf_header import GgufError, _Cursor, _parse
 
 if TYPE_CHECKING:
@@ -35,6 +37,10 @@ _MAX_TENSORS = 100_000
 _MAX_DIMS = 8
 # A file name's quantization or precision suffix, e.g. "-Q8_0", ".F16".
 _QUANT_SUFFIX = re.compile(r"[-_.](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+# A model's Hugging Face form is often named "<name>-hf" beside its GGUF
+# "<name>": Llama 2's repos, and the demo pair tiny-random-demo-hf and
+# tiny-random-demo (supervisor/models/demo_hf.py).
+_HF_SUFFIX = re.compile(r"[-_.]hf$", re.IGNORECASE)
 
 Shapes = dict[str, tuple[int, ...]]  # tensor name -> ggml dims (ne[0] first)
 
@@ -173,6 +179,11 @@ def _names(base: ModelEntry) -> set[str]:
     return {_norm(n) for n in names}
 
 
+def _wanted(base_name: str) -> set[str]:
+    """The names a recorded base goes by: its own, and without a ``-hf`` suffix."""
+    return {_norm(base_name), _norm(_HF_SUFFIX.sub("", base_name))}
+
+
 def misfit(info: AdapterInfo, base: ModelEntry, shapes: Shapes) -> str | None:
     """Why ``info`` cannot run on ``base``; None when it fits."""
     arch = base.info.architecture if base.info is not None else None
@@ -183,8 +194,9 @@ def misfit(info: AdapterInfo, base: ModelEntry, shapes: Shapes) -> str | None:
         if dims is None:
             return f"the base has no tensor {weight}"
         if tuple(dims[:2]) != (n_in, n_out):
-            return (f"{weight} is {dims[0]}x{dims[1]} in the base, the adapter expects "
-                    f"{n_in}x{n_out}")
+            # Any number of dims: a crafted base may give this weight one, or none.
+            shape = "x".join(map(str, dims)) or "a scalar"
+            return f"{weight} is {shape} in the base, the adapter expects {n_in}x{n_out}"
     return None
 
 
@@ -193,8 +205,8 @@ def link(info: AdapterInfo, adapter_id: str, bases: list[ModelEntry],
     """The adapter's candidate bases, each fitting or not; why none fits, if so."""
     usable = [b for b in bases if b.usable and b.info is not None]
     if info.base_name is not None:
-        want = _norm(info.base_name)
-        candidates = [b for b in usable if want in _names(b)]
+        want = _wanted(info.base_name)
+        candidates = [b for b in usable if want & _names(b)]
         if not candidates:
             return [], f"no model named {info.base_name} (its recorded base) in the library"
     else:
@@ -229,6 +241,7 @@ class AdapterLinker:
 
     def __init__(self) -> None:
         self._headers = HeaderCache()
+        self._faults = FaultLog()
 
     def split(self, found: dict[str, ModelEntry], alive: Iterable[str]
               ) -> tuple[dict[str, ModelEntry], dict[str, AdapterEntry]]:
@@ -237,6 +250,7 @@ class AdapterLinker:
         adapters = {e.id: self._adapter(e, list(models.values()))
                     for e in found.values() if _is_adapter(e)}
         self._headers.keep(alive)
+        self._faults.keep(alive)
         refs: dict[str, list[AdapterRef]] = {}
         for a in adapters.values():
             for lk in a.links:
@@ -255,6 +269,8 @@ class AdapterLinker:
             reason = exc.reason
         except OSError as exc:
             reason = f"cannot read the adapter: {exc}"
+        except Exception as exc:  # a crafted file's fault costs this adapter alone (file_faults.py)
+            reason = self._faults.reason(entry.path, "cannot interpret the adapter", exc)
         return AdapterEntry(id=entry.id, path=entry.path, size_bytes=entry.size_bytes, mtime=entry.mtime,
                             info=info, links=links, usable=reason is None, reason=reason)
 

@@ -8,12 +8,33 @@ every endpoint working without a download.
 from __future__ import annotations
 
 import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
 
 DEMO_MODEL_NAME = "tiny-random-demo"
+RMS_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class DemoShape:
+    """The shape of the demo written on first start and of its Hugging Face
+    twin (supervisor/models/demo_hf.py). Heads of 64: vLLM's CPU attention,
+    which serves the twin, refuses heads of 16 (write_tiny_gguf's default)."""
+
+    seed: int = 0
+    n_embd: int = 128
+    n_layer: int = 2
+    n_head: int = 2
+    n_head_kv: int = 1
+    n_ff: int = 256
+    n_ctx: int = 2048
+    extra_tokens: int = 200
+
+
+DEMO_SHAPE = DemoShape()
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -32,7 +53,8 @@ _PIECES = [
 _SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 
 
-def _vocab(extra_tokens: int) -> tuple[list[str], list[float], list[int]]:
+def demo_vocab(extra_tokens: int) -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, GGUF token types): specials, the 256 byte tokens, word pieces."""
     tokens: list[str] = []
     scores: list[float] = []
     types: list[int] = []
@@ -55,6 +77,10 @@ def _vocab(extra_tokens: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+# The name the test helpers import it by.
+_vocab = demo_vocab
+
+
 def write_tiny_gguf(
     path: Path,
     *,
@@ -70,7 +96,7 @@ def write_tiny_gguf(
     name: str = DEMO_MODEL_NAME,
 ) -> Path:
     """Write a random llama-architecture GGUF (F32) to ``path`` atomically."""
-    tokens, scores, types = _vocab(extra_tokens)
+    tokens, scores, types = demo_vocab(extra_tokens)
     tmp = path.with_name(path.name + ".tmp")
     w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_name(name)
@@ -81,12 +107,19 @@ def write_tiny_gguf(
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
     w.add_rope_dimension_count(n_embd // n_head)
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_layer_norm_rms_eps(RMS_EPS)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     add_tokenizer(w, tokens, scores, types, chat_template)
-    _add_tensors(w, np.random.default_rng(seed), n_vocab=len(tokens), n_embd=n_embd, n_layer=n_layer,
-                 n_embd_kv=n_embd // n_head * n_head_kv, n_ff=n_ff)
+    tensors = demo_tensors(np.random.default_rng(seed), n_vocab=len(tokens), n_embd=n_embd,
+                           n_layer=n_layer, n_embd_kv=n_embd // n_head * n_head_kv, n_ff=n_ff)
+    for tensor_name, array in tensors.items():
+        w.add_tensor(tensor_name, array)
     return finish_gguf(w, tmp, path)
+
+
+def write_demo_gguf(path: Path) -> Path:
+    """The demo model of the first start (:data:`DEMO_SHAPE`)."""
+    return write_tiny_gguf(path, **asdict(DEMO_SHAPE))
 
 
 def finish_gguf(w: gguf.GGUFWriter, tmp: Path, path: Path) -> Path:
@@ -102,7 +135,7 @@ def finish_gguf(w: gguf.GGUFWriter, tmp: Path, path: Path) -> Path:
 
 def add_tokenizer(w: gguf.GGUFWriter, tokens: list[str], scores: list[float], types: list[int],
                   chat_template: str | None) -> None:
-    """The demo vocabulary (``_vocab``) as a llama SPM tokenizer, with its template."""
+    """The demo vocabulary (:func:`demo_vocab`) as a llama SPM tokenizer, with its template."""
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
@@ -116,22 +149,30 @@ def add_tokenizer(w: gguf.GGUFWriter, tokens: list[str], scores: list[float], ty
         w.add_chat_template(chat_template)
 
 
-def _add_tensors(w: gguf.GGUFWriter, rng: np.random.Generator, *, n_vocab: int, n_embd: int,
-                 n_layer: int, n_embd_kv: int, n_ff: int) -> None:
+def demo_tensors(rng: np.random.Generator, *, n_vocab: int, n_embd: int, n_layer: int,
+                 n_embd_kv: int, n_ff: int) -> dict[str, np.ndarray]:
+    """The demo's random weights by GGUF tensor name, in llama.cpp's layout.
+
+    Drawn in one fixed order, so a seed gives the same model every time; the
+    Hugging Face twin (:mod:`supervisor.models.demo_hf`) is made from these.
+    """
     def rand(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.5).astype(np.float32)
 
     # numpy shape is (ne1, ne0): rows first, as gguf stores it.
-    w.add_tensor("token_embd.weight", rand(n_vocab, n_embd))
-    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-    w.add_tensor("output.weight", rand(n_vocab, n_embd))
+    out = {
+        "token_embd.weight": rand(n_vocab, n_embd),
+        "output_norm.weight": np.ones(n_embd, dtype=np.float32),
+        "output.weight": rand(n_vocab, n_embd),
+    }
     for i in range(n_layer):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.attn_q.weight", rand(n_embd, n_embd))
-        w.add_tensor(f"blk.{i}.attn_k.weight", rand(n_embd_kv, n_embd))
-        w.add_tensor(f"blk.{i}.attn_v.weight", rand(n_embd_kv, n_embd))
-        w.add_tensor(f"blk.{i}.attn_output.weight", rand(n_embd, n_embd))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", rand(n_ff, n_embd))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", rand(n_ff, n_embd))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", rand(n_embd, n_ff))
+        out[f"blk.{i}.attn_norm.weight"] = np.ones(n_embd, dtype=np.float32)
+        out[f"blk.{i}.attn_q.weight"] = rand(n_embd, n_embd)
+        out[f"blk.{i}.attn_k.weight"] = rand(n_embd_kv, n_embd)
+        out[f"blk.{i}.attn_v.weight"] = rand(n_embd_kv, n_embd)
+        out[f"blk.{i}.attn_output.weight"] = rand(n_embd, n_embd)
+        out[f"blk.{i}.ffn_norm.weight"] = np.ones(n_embd, dtype=np.float32)
+        out[f"blk.{i}.ffn_gate.weight"] = rand(n_ff, n_embd)
+        out[f"blk.{i}.ffn_up.weight"] = rand(n_ff, n_embd)
+        out[f"blk.{i}.ffn_down.weight"] = rand(n_embd, n_ff)
+    return out

@@ -24,7 +24,7 @@ from supervisor.models.kvsize import (
 )
 from supervisor.models.library import ModelEntry
 from supervisor.models.vocab import vocab_difference
-from worker.speculative import SpeculativeOptions
+from worker.protocol import SpeculativeOptions
 
 # Upper bounds of the tokens drafted per step when draft_max is unset, for
 # sizing (this engine defaults to 3 for a draft model and 48 for prompt lookup).

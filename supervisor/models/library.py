@@ -60,32 +60,12 @@ from supervisor.models.adapters import (
     AdapterEntry,
     AdapterLink,
     AdapterLinker,
-    AdapterRef,
 )
+from supervisor.models.entry import ModelEntry as ModelEntry
 from supervisor.models.gguf_info import GgufError, GgufInfo, read_gguf_info
+from supervisor.models.hf_scan import HfScanner
 
 log = logging.getLogger(__name__)
-
-class ModelEntry(msgspec.Struct, kw_only=True):
-    """One model the library offers (or lists as unusable, with the reason)."""
-
-    id: str
-    path: str  # the file to load (the first shard of a set)
-    files: list[str]
-    size_bytes: int
-    source: Literal["dir", "hf_cache"]
-    root: str
-    mtime: float
-    repo_id: str | None = None
-    revision: str | None = None  # hub commit hash
-    mmproj: str | None = None
-    quantization: str | None = None
-    info: GgufInfo | None = None
-    usable: bool = True
-    reason: str | None = None
-    # The LoRA adapters that fit this model (loaded with its worker).
-    adapters: list[AdapterRef] = []
-
 
 class _Look(msgspec.Struct):
     size: int
@@ -109,6 +89,7 @@ class ModelLibrary:
         settle_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        vllm_python: str | None = None,
     ) -> None:
         self.model_dirs = [Path(d) for d in model_dirs]
         self.hf_cache_dir = Path(hf_cache_dir) if hf_cache_dir is not None else None
@@ -119,6 +100,8 @@ class ModelLibrary:
         self._adapters: dict[str, AdapterEntry] = {}
         self._pairs: dict[str, tuple[AdapterLink, AdapterEntry]] = {}
         self._linker = AdapterLinker()
+        # Hugging Face safetensors dirs (kind hf, served by vLLM from vllm_python).
+        self._hf = HfScanner(vllm_python)
         self._looks: dict[str, _Look] = {}
         # Set by a scan that met a symlinked directory (see watch).
         self.linked_dirs = False
@@ -178,6 +161,8 @@ class ModelLibrary:
             for root in self.model_dirs:
                 for entry in self._scan_dir(root, pending, seen):
                     self._add(entries, entry)
+            for entry in self._hf.scan(self.model_dirs, self._settled, pending, seen):
+                self._add(entries, entry)
             for entry in self._scan_hf_cache():
                 self._add(entries, entry)
             self._pending = pending
@@ -376,9 +361,10 @@ class ModelLibrary:
             result: GgufInfo | GgufError = read_gguf_info(path)
         except GgufError as exc:
             result = exc
-        except (OSError, ValueError, OverflowError, MemoryError) as exc:
-            # A crafted header must cost this one file, never the watcher.
+        except Exception as exc:  # a crafted header costs this one file, never the watcher (file_faults.py)
             result = GgufError(path, f"unreadable header ({type(exc).__name__}: {exc})")
+            # Once per file version: the result is cached until the file changes.
+            log.warning("%s: %s; the file is unusable until it changes", path, result.reason)
         self._headers[key] = (st.st_size, st.st_mtime_ns, result)
         return result
 

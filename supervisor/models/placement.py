@@ -22,6 +22,7 @@ from supervisor.models.gguf_info import (
     TensorSizes,
     read_tensor_sizes,
 )
+from supervisor.models.hf_fit import plan_hf_load
 from supervisor.models.kvsize import KvOptions
 from supervisor.models.library import ModelEntry
 from supervisor.models.memfit import ContextDecision, choose_context
@@ -110,6 +111,10 @@ def plan_load(entry: ModelEntry, settings: ModelSettings, *, explicit_ctx: bool,
     Raises DoesNotFit (400) when nothing fits in ``free_bytes``. Reads the
     headers of a shard set's further files: call it in a thread.
     """
+    if entry.hf is not None:  # a vLLM worker (supervisor/models/hf_fit.py)
+        return plan_hf_load(entry.hf, requested=settings.n_ctx if explicit_ctx else None,
+                            target_ctx=target_ctx, min_ctx=min_ctx, free_bytes=free_bytes,
+                            memory_kind=memory_kind, slots=slots)
     info = entry.info
     if info is None:
         return None

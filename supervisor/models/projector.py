@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-from worker.gguf_meta import GGUFMetaError, read_header
+from formats.gguf_meta import GGUFMetaError, read_header
 
 
 class Modalities(NamedTuple):

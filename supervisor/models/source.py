@@ -1,11 +1,12 @@
-"""The pool's view of the model library, and the first-start demo model."""
+"""The pool's view of the model library, and the first-start demo models."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from supervisor.models.adapters import AdapterEntry, AdapterLink
-from supervisor.models.demo import DEMO_MODEL_NAME, write_tiny_gguf
+from supervisor.models.demo import DEMO_MODEL_NAME, write_demo_gguf
+from supervisor.models.demo_hf import DEMO_HF_NAME, write_tiny_hf
 from supervisor.models.library import ModelEntry, ModelLibrary
 
 DEMO_MARKER = ".demo-model-written"
@@ -43,14 +44,17 @@ class LibrarySource:
         return sorted(self.library.list(), key=lambda e: e.id)
 
 
-def ensure_demo_model(models_dir: Path, state_dir: Path) -> Path | None:
-    """On the very first start with an empty models dir, write the demo model."""
+def ensure_demo_model(models_dir: Path, state_dir: Path) -> list[Path]:
+    """On the very first start with an empty models dir, write the demo model
+    and its Hugging Face twin (to fine-tune offline); returns what was written."""
     marker = state_dir / DEMO_MARKER
     if marker.exists():
-        return None
+        return []
     models_dir.mkdir(parents=True, exist_ok=True)
     if any(models_dir.rglob("*.gguf")):
-        return None
-    path = write_tiny_gguf(models_dir / f"{DEMO_MODEL_NAME}.gguf")
-    marker.write_text("the tiny random demo model was written on first start\n")
-    return path
+        return []
+    written = [write_demo_gguf(models_dir / f"{DEMO_MODEL_NAME}.gguf")]
+    if not (models_dir / DEMO_HF_NAME).exists():
+        written.append(write_tiny_hf(models_dir / DEMO_HF_NAME))
+    marker.write_text("the tiny random demo models were written on first start\n")
+    return written

@@ -110,13 +110,16 @@ class EventBuilder:
                     out += self._call(piece)
         return out
 
-    def completed(self, usage: Usage, *, truncated: bool) -> list[Event]:
+    def completed(self, usage: Usage, *, truncated: bool, timed_out: bool = False) -> list[Event]:
+        """The terminal event: ``truncated`` by the token limit, or by the
+        time limit too when ``timed_out`` (request_timeout_s)."""
         status: Literal["completed", "incomplete"] = "incomplete" if truncated else "completed"
         out = self._close(item_status="incomplete" if truncated else "completed")
         self.response.usage = usage
         self.response.status = status
         if truncated:
-            self.response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+            self.response.incomplete_details = IncompleteDetails(
+                reason="request_timeout" if timed_out else "max_output_tokens")
             return out + [self._event("response.incomplete", response=self.response)]
         self.response.completed_at = int(self._clock())
         return out + [self._event("response.completed", response=self.response)]

@@ -120,6 +120,8 @@ class ValidRequest(msgspec.Struct, kw_only=True):
     items: list[Item]
     # The functions offered to the model under the resolved tool_choice.
     offer: Offer = msgspec.field(default_factory=Offer)
+    # Who asked (supervisor/api/callers.py), set by the route: crashes are blamed on it.
+    caller: str = ""
 
 
 _item_decoder_type: Any = Item

@@ -64,7 +64,8 @@ class ErrorInfo(msgspec.Struct):
 
 
 class IncompleteDetails(msgspec.Struct):
-    reason: Literal["max_output_tokens", "content_filter"]
+    # OpenAI's reasons, and ours: the request's time limit (request_timeout_s) ended it.
+    reason: Literal["max_output_tokens", "content_filter", "request_timeout"]
 
 
 class ResponseObject(msgspec.Struct, kw_only=True):

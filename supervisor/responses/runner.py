@@ -14,13 +14,17 @@ from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from formats.schema_gbnf import SchemaError
 from supervisor.errors import ApiError, BadRequest, ModelNotFound, Unavailable
+from supervisor.generation.generic_calls import offer_in_prompt
+from supervisor.generation.generic_parse import GenericParser
 from supervisor.generation.grammar import tool_call_grammar
 from supervisor.generation.harmony import HarmonyParser
 from supervisor.generation.images import require_vision
+from supervisor.generation.output_format import enforce_format
 from supervisor.generation.parse import OutputParser
 from supervisor.generation.pieces import Piece, StreamParser, ToolCall
-from supervisor.generation.profile import TemplateProfile, profile_for
+from supervisor.generation.profile import TemplateProfile, served_profile
 from supervisor.generation.tools import FunctionTool, NamedFunction, Offer, PlanChoice
 from supervisor.responses.convert import collect_images, template_tools, to_messages
 from supervisor.responses.events import Event, EventBuilder
@@ -34,7 +38,6 @@ from supervisor.responses.models import (
 from supervisor.responses.objects import Usage
 from supervisor.workers.replies import Blame, Rejected
 from worker.protocol import ChatMessage, Delta, Done, ModelFacts, SamplingParams
-from worker.schema_gbnf import SchemaError
 
 # The Responses API's include value that asks for output-text logprobs.
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -73,6 +76,7 @@ class GenerationPool(Protocol):
         request_id: str = "",
         images: list[bytes] | None = None,
         lora_scale: float | None = None,
+        caller: str = "",
     ) -> Outputs: ...
 
 
@@ -94,10 +98,12 @@ class Plan:
     images: list[bytes] = field(default_factory=list)
     # The adapter's scale for a <base>:<adapter> model; None = as trained.
     lora_scale: float | None = None
+    # The generic format's grammar for "auto" admits an answer: no call is forced.
+    may_answer: bool = False
 
     @property
     def forced_call(self) -> bool:
-        return self.params.grammar is not None and not self.json_output
+        return self.params.grammar is not None and not self.json_output and not self.may_answer
 
     def named(self, pieces: list[Piece]) -> list[Piece]:
         """Calls of namespaced functions under their own name, with the namespace."""
@@ -112,6 +118,8 @@ class Plan:
 
     def _parser(self) -> StreamParser:
         tool_names = frozenset() if self.json_output else self.tool_names
+        if self.profile.generic_tools and tool_names:
+            return GenericParser(tool_names, forced=self.forced_call, after_think=self.profile.starts_in_reasoning)
         if self.profile.harmony:
             # Channels mark reasoning and calls explicitly, grammar or not.
             return HarmonyParser(tool_names=tool_names, forced=self.forced_call)
@@ -215,23 +223,29 @@ def tool_plan(
 ) -> Plan:
     """The plan for ``messages`` offering ``tools`` under ``choice`` (chat completions share it)."""
     use_tools = bool(tools) and choice != "none"
-    _constrain_calls(params, tools, choice, parallel, profile)
+    if profile.tool_support != "native":
+        # The template cannot list the tools: the prompt does (generic_calls.py).
+        messages = offer_in_prompt(messages, params, profile, functions=tools if use_tools else [],
+                                   choice=choice, parallel=parallel)
+    if not profile.generic_tools:
+        _constrain_calls(params, tools, choice, parallel, profile)
     return Plan(
         messages=messages,
         params=params,
-        tools=template_tools(tools) if use_tools else None,
+        tools=template_tools(tools) if use_tools and not profile.generic_tools else None,
         template_vars=template_vars or {},
         profile=profile,
         tool_names=frozenset(t.name for t in tools) if use_tools else frozenset(),
         json_output=(params.json_schema is not None or params.json_object) and params.grammar is None,
         namespaces=(namespaces or {}) if use_tools else {},
         forced_name=_forced_name(tools, choice) if params.grammar is not None else None,
+        may_answer=use_tools and profile.generic_tools and choice == "auto",
     )
 
 
 def plan(req: CreateRequest, history: list[Item], items: list[Item], facts: ModelFacts,
          offer: Offer | None = None) -> Plan:
-    profile = profile_for(facts.chat_template)
+    profile = served_profile(facts)
     effort = req.reasoning.effort if req.reasoning else None
     offer = offer or Offer()
     images = collect_images(history, items)
@@ -246,17 +260,24 @@ def plan(req: CreateRequest, history: list[Item], items: list[Item], facts: Mode
         template_vars=profile.template_vars(effort),
         namespaces=offer.namespaces,
     )
+    fmt = req.text.format
+    if isinstance(fmt, FormatJsonSchema):
+        enforce_format(json.dumps(fmt.schema), planned.params, facts, generic_answer=planned.may_answer,
+                       strict=bool(fmt.strict), param="text.format.schema", model=req.model)
     planned.images = images.data
     planned.lora_scale = req.lora_scale
     return planned
 
 
-async def admit(pool: GenerationPool, model: str, plan: Plan, request_id: str = "") -> Outputs:
-    """Queue the generation on the model's worker; a refusal raises here."""
+async def admit(pool: GenerationPool, model: str, plan: Plan, request_id: str = "", caller: str = "") -> Outputs:
+    """Queue the generation on the model's worker for ``caller`` (who asked:
+    supervisor/api/callers.py); a refusal raises here."""
     # Images only when there are some: a pool without image support still serves text.
     extra: dict[str, Any] = {"images": plan.images} if plan.images else {}
     if plan.lora_scale is not None:
         extra["lora_scale"] = plan.lora_scale
+    if caller:
+        extra["caller"] = caller
     return await pool.admit(
         model,
         messages=plan.messages,
@@ -343,4 +364,4 @@ def _ending(plan: Plan, parser: StreamParser, builder: EventBuilder, text_logpro
     if done.finish_reason == "cancelled":
         yield from builder.failed("cancelled", "the model worker cancelled the generation", usage)
         return
-    yield from builder.completed(usage, truncated=done.finish_reason == "length")
+    yield from builder.completed(usage, truncated=done.finish_reason == "length", timed_out=done.timed_out)

@@ -42,6 +42,7 @@ from supervisor.responses.runner import (
     run,
 )
 from supervisor.responses.store import ResponseStore
+from supervisor.workers.crash_keys import CrashCooldown
 
 DEFAULT_KEEPALIVE_S = 10.0
 
@@ -110,7 +111,7 @@ class ResponsesService:
             kept_history, kept_items = truncation.without_oldest(history, valid.items, dropped)
             # CPU work on request data (a forced call's grammar, images): off the loop.
             generation = await asyncio.to_thread(plan, req, kept_history, kept_items, facts, valid.offer)
-            outputs = await admit(self.pool, req.model, generation, request_id)
+            outputs = await admit(self.pool, req.model, generation, request_id, valid.caller)
             try:
                 await self._accepted(outputs, wait_s)
             except BadRequest as exc:
@@ -165,7 +166,7 @@ class ResponsesService:
         builder = EventBuilder(resp, self._clock)
         try:
             generation, outputs = await self._generation(valid, history, resp.id, None)
-        except (ModelNotFound, Unavailable, BadRequest):
+        except (ModelNotFound, Unavailable, BadRequest, CrashCooldown):
             raise  # the request itself cannot be served: an HTTP error
         except ApiError as exc:
             # The worker failed under it (e.g. crashed): a failed response, as mid-generation.

@@ -24,7 +24,8 @@ from supervisor.api.auth import KeyStore, hash_secret, new_api_key, parse_config
 from supervisor.config import Config, ConfigError
 from supervisor.db import Database
 from supervisor.errors import ApiError
-from supervisor.service import pull
+from supervisor.service import key_advice, pull
+from supervisor.service.state_lock import holder
 
 
 def add_subcommands(sub: Any) -> None:
@@ -129,13 +130,17 @@ async def _keys(args: argparse.Namespace, cfg: Config) -> int:
     try:
         store = KeyStore(db)
         if cmd == "add":
+            was_on = cfg.auth == "on" or bool(cfg.admin_token or cfg.api_keys) or await store.any_ever()
             record, key = await store.add(args.name)
             print(key)
             print(f"# API key {record.name!r} (id {record.id}); shown once, only its hash is stored",
                   file=sys.stderr)
+            _advise(key_advice.after_add(record.name, was_on=was_on, service=holder(cfg.state_path),
+                                         cfg=cfg, config_url=local_url(cfg.host, cfg.port)))
         elif cmd == "revoke":
             record = await store.revoke(args.name)
             print(f"revoked {record.name} ({record.id})")
+            _advise(key_advice.after_revoke(await store.any_active(), cfg))
         else:
             rows = [(r.id, r.name, "database", r.created_at) for r in await store.active()]
             rows += [(r.id, r.name, "config", None) for r in parse_config_keys(cfg.api_keys).values()]
@@ -149,6 +154,11 @@ async def _keys(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
+def _advise(lines: list[str]) -> None:
+    for line in lines:
+        print(line, file=sys.stderr)
+
+
 # ---------------------------------------------------------------- status
 
 
@@ -158,24 +168,25 @@ def local_url(host: str, port: int) -> str:
     return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
-def endpoint(args: argparse.Namespace, cfg: Config) -> tuple[str, dict[str, str]]:
-    """The running service's URL and auth header, from flags, env or config."""
-    url = (args.url or local_url(cfg.host, cfg.port)).rstrip("/")
-    token = args.token or os.environ.get("GPUVISOR_TOKEN") or (
-        cfg.admin_token if not cfg.admin_token.startswith("scrypt$") else "")
-    return url, ({"Authorization": f"Bearer {token}"} if token else {})
+def service_url(args: argparse.Namespace, cfg: Config) -> str:
+    """The running service's URL, from ``--url`` or the host and port settings."""
+    return str(args.url or local_url(cfg.host, cfg.port)).rstrip("/")
 
 
 async def _status(args: argparse.Namespace, cfg: Config) -> int:
-    url, headers = endpoint(args, cfg)
+    url, cred = service_url(args, cfg), key_advice.credential(args, cfg)
     timeout = aiohttp.ClientTimeout(total=10)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as http:
+    async with aiohttp.ClientSession(headers=cred.headers, timeout=timeout) as http:
         try:
             health = await _get(http, url + "/healthz")
             gpu = await _get(http, url + "/api/gpu")
             jobs = await _get(http, url + "/api/jobs?status=running,queued&limit=20")
         except aiohttp.ClientConnectionError as exc:
             print(pull.unreachable(url, exc), file=sys.stderr)
+            return 1
+        except aiohttp.ClientResponseError as exc:
+            print(f"gpuvisor at {url} refused: {exc.status} {exc.message}", file=sys.stderr)
+            _advise(key_advice.refused(exc.status, cred, cfg))
             return 1
         except aiohttp.ClientError as exc:
             print(f"gpuvisor at {url} refused: {exc}", file=sys.stderr)
@@ -253,7 +264,7 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
         if args.command == "status":
             return asyncio.run(_status(args, cfg))
         if args.command == "pull":
-            return asyncio.run(pull.pull(args, cfg, *endpoint(args, cfg)))
+            return asyncio.run(pull.pull(args, cfg, service_url(args, cfg), key_advice.credential(args, cfg)))
         if args.command == "install-systemd":
             return _install(args)
     except ApiError as err:

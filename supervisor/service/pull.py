@@ -5,24 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from collections.abc import Mapping
 from typing import Any, TextIO
 
 import aiohttp
 import msgspec
 
 from jobs.download_params import parse_pull_spec
+from jobs.errors import FieldValueError
 from supervisor.config import Config
-
-DEFAULT_HUB = "https://huggingface.co"
-# How a job's error reads when the Hub could not be reached at all (httpx's
-# connect errors and timeouts, DNS and routing failures, huggingface_hub's own).
-_UNREACHABLE_MARKS = ("ConnectError", "ConnectTimeout", "ReadTimeout", "ConnectionError", "Timeout",
-                      "Name or service not known", "Temporary failure in name resolution",
-                      "Network is unreachable", "No route to host", "LocalEntryNotFoundError",
-                      "OfflineModeIsEnabled")
+from supervisor.service import key_advice
 
 
 def add_subcommand(sub: Any) -> argparse.ArgumentParser:
@@ -73,24 +65,15 @@ def unreachable(url: str, exc: aiohttp.ClientError) -> str:
             "Start it with `gpuvisor serve`, or pass the --port or --url it listens on")
 
 
-def hub_unreachable_help(cfg: Config, environ: Mapping[str, str] = os.environ) -> list[str]:
-    """What to do when the service cannot reach the Hub: it names the endpoint tried."""
-    endpoint = environ.get("HF_ENDPOINT") or DEFAULT_HUB
-    where = "" if environ.get("HF_ENDPOINT") else " (unless the service's environment sets HF_ENDPOINT)"
-    cache = cfg.hf_cache_dir or "~/.cache/huggingface/hub"
-    return [
-        f"the service could not reach the Hugging Face Hub at {endpoint}{where}. Instead:",
-        f"  - copy a .gguf file into the models directory ({cfg.models_dir}); it is listed within seconds",
-        "  - set HF_ENDPOINT in the service's environment to a Hub mirror it can reach, and pull again",
-        (f"  - use the Hugging Face cache: with hf_cache_dir = \"{cache}\" in the config the models in it "
-         "are listed, and HF_HUB_OFFLINE=1 in the service's environment makes a pull use only the cache"),
-    ]
-
-
-async def pull(args: argparse.Namespace, cfg: Config, url: str, headers: dict[str, str],
+async def pull(args: argparse.Namespace, cfg: Config, url: str, cred: key_advice.Credential,
                out: TextIO = sys.stderr) -> int:
-    params = msgspec.to_builtins(parse_pull_spec(args.spec))
-    async with aiohttp.ClientSession(headers=headers) as http:
+    try:
+        params = msgspec.to_builtins(parse_pull_spec(args.spec))
+    except FieldValueError as exc:
+        # Refused here, before anything is queued (the service refuses it the same way).
+        print(f"gpuvisor: {args.spec!r} is not REPO[@REV][:QUANT]: {exc}", file=out)
+        return 2
+    async with aiohttp.ClientSession(headers=cred.headers) as http:
         try:
             async with http.post(url + "/api/jobs", json={"kind": "download", "params": params}) as resp:
                 body = await resp.json()
@@ -99,13 +82,14 @@ async def pull(args: argparse.Namespace, cfg: Config, url: str, headers: dict[st
             return 1
         if resp.status >= 400:
             print(f"gpuvisor: {body['error']['message']}", file=out)
+            for line in key_advice.refused(resp.status, cred, cfg):
+                print(line, file=out)
             return 1
         job_id = body["id"]
         print(f"pulling {args.spec} (job {job_id})", file=out)
         try:
-            code, error = await _follow(http, f"{url}/api/jobs/{job_id}/events", out)
-            if error and any(mark in error for mark in _UNREACHABLE_MARKS):
-                print("\n".join(hub_unreachable_help(cfg)), file=out)
+            # A Hub the service could not reach: the job's error is the advice (jobs/hub_advice.py).
+            code, _ = await _follow(http, f"{url}/api/jobs/{job_id}/events", out)
             return code
         except (KeyboardInterrupt, aiohttp.ClientError) as exc:
             await http.post(f"{url}/api/jobs/{job_id}/cancel")

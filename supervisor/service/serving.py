@@ -31,6 +31,7 @@ from supervisor.appkeys import LIBRARY, SHUTDOWN
 from supervisor.config import Config
 from supervisor.service import commands as service_cli
 from supervisor.service import systemd
+from supervisor.service.state_lock import StateDirBusy, StateLock
 
 log = logging.getLogger("gpuvisor")
 
@@ -74,10 +75,12 @@ def drain_bound(cfg: Config) -> float:
 class Service:
     """One serving run: the app, its runner and the dispatch of signals."""
 
-    def __init__(self, cfg: Config, app: web.Application, notifier: systemd.Notifier) -> None:
+    def __init__(self, cfg: Config, app: web.Application, notifier: systemd.Notifier,
+                 state_lock: StateLock | None = None) -> None:
         self.cfg = cfg
         self.app = app
         self.notifier = notifier
+        self.state_lock = state_lock
         self.stopping = asyncio.Event()
         self._signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
         self._stop_signals = 0
@@ -149,7 +152,7 @@ class Service:
                 self.notifier, lambda: systemd.healthy(self.app, timeout=5.0),
                 lambda: systemd.service_status(self.app)), name="sd-keepalive")
             await self.stopping.wait()
-            log.info("shutting down: no new requests; streams get up to %.0fs", cfg.shutdown_timeout)
+            # The drain (app.on_shutdown) logs what it waits for.
             self.notifier.stopping("stopping: draining requests and jobs")
             extend = asyncio.create_task(systemd.extend_while(self.notifier, drain_bound(cfg)),
                                          name="sd-extend")
@@ -161,12 +164,31 @@ class Service:
     def _announce(self, port: int) -> None:
         # Tests and scripts read this line to learn the port when it was 0.
         print(f"gpuvisor listening on http://{self.cfg.host}:{port}", flush=True)
-        print(f"lab UI: {service_cli.local_url(self.cfg.host, port)}/", flush=True)
+        url = service_cli.local_url(self.cfg.host, port)
+        print(f"lab UI: {url}/", flush=True)
+        if self.state_lock is not None:
+            self.state_lock.record_url(url)
         log.info("state dir %s, models dir %s", self.cfg.state_dir, self.cfg.models_dir)
         self.notifier.ready(systemd.service_status(self.app))
 
 
 async def serve(cfg: Config) -> int:
+    # First the state dir (before the database, the demo model or the port):
+    # a second parent on it would share the database and the jobs. Taken
+    # synchronously: nothing else runs on the loop yet.
+    lock = StateLock(cfg.state_path)
+    try:
+        lock.acquire()
+    except StateDirBusy as exc:
+        print(f"gpuvisor: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return await _serve_locked(cfg, lock)
+    finally:
+        lock.release()
+
+
+async def _serve_locked(cfg: Config, lock: StateLock) -> int:
     try:
         sock = listen_socket(cfg.host, cfg.port)
     except ListenError as exc:
@@ -175,7 +197,7 @@ async def serve(cfg: Config) -> int:
     loop = asyncio.get_running_loop()
     # Read and remove NOTIFY_SOCKET: no child may notify systemd in our name.
     notifier = systemd.Notifier.from_environ(os.environ)
-    service = Service(cfg, build_app(cfg), notifier)
+    service = Service(cfg, build_app(cfg), notifier, lock)
     for sig in SIGNALS:
         loop.add_signal_handler(sig, service.on_signal, sig)
     dispatcher = asyncio.create_task(service.dispatch_signals(), name="signals")

@@ -67,6 +67,12 @@ def crash_reason(signum: int, phase: str) -> str:
     return text if info.likely is None else f"{text}; likely cause: {info.likely}"
 
 
+def exit_is_news(code: int | None, signalled_by_us: bool) -> bool:
+    """Whether the exit status says more than what the parent saw: a signal
+    it did not send, or a status the worker exited with itself."""
+    return code is not None and (code > 0 or (code < 0 and not signalled_by_us))
+
+
 def exit_reason(code: int | None, phase: str, known: str | None, signalled_by_us: bool) -> str:
     """Why a worker process ended, from its exit status and what the parent saw.
 

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from supervisor.workers.crash import exit_reason, load_failure_reason, worker_log_path
+from supervisor.workers.crash import exit_is_news, exit_reason, load_failure_reason, worker_log_path
 from supervisor.workers.process import HandshakeFailed, LoadFailed, WorkerProcess
 from supervisor.workers.queue import Pending, RequestQueue
 from supervisor.workers.spec import Timing, WorkerSpec
@@ -194,6 +194,7 @@ class WorkerHandle:
                 break
             if code == EXIT_LOAD_FAILED or self.state is WorkerState.FAILED:
                 self._fail_permanently(load_failure_reason(self.reason))
+                log.error("cannot load %s: %s (its log: %s)", self._label(), self.reason, self.log_path)
                 return
             if self._record_crash(code):
                 return
@@ -210,13 +211,16 @@ class WorkerHandle:
             self.crash_times.popleft()
         signalled_by_us = code is not None and -code in self.process.sent_signals
         self.process.sent_signals.clear()
+        # The parent's own account (a hang, a broken stream) is kept unless the
+        # exit status says more; it does not say whose crash it was.
+        parents_account = self.reason is not None and not exit_is_news(code, signalled_by_us)
         self.reason = exit_reason(code, self._phase(), self.reason, signalled_by_us)
         self.cause = self.cause or Cause.EXITED
         self.log_tail = self.process.log_tail()
         log.warning("worker %s: %s (its log: %s)", self.spec.model_id, self.reason, self.log_path)
         self._set_state(WorkerState.CRASHED)
-        self.requests.end_inflight("worker_crashed", self.reason if self.reason.startswith("the model worker")
-                                   else f"the model worker crashed ({self.reason})")
+        self.requests.end_inflight("worker_crashed", f"the model worker crashed ({self.reason})"
+                                   if parents_account else self.reason)
         if len(self.crash_times) < self.timing.crash_limit:
             return False
         n = len(self.crash_times)
@@ -252,9 +256,17 @@ class WorkerHandle:
 
     # ------------------------------------------------------------ one process
 
+    def _label(self) -> str:
+        return f"{self.spec.model_id}{' (embedding)' if self.spec.embedding else ''}"
+
     async def _run_once(self) -> int | None:
         self.reason = None
         self.cause = None
+        started = self.clock()
+        # Loads take seconds to minutes: the log says when one starts and how it ended.
+        log.info("%s %s: n_ctx %d, %d slot%s, on %s", "restarting" if self.restarts else "loading",
+                 self._label(), self.spec.n_ctx, self.spec.parallel, "" if self.spec.parallel == 1 else "s",
+                 ", ".join(self.spec.devices) or self.spec.device)
         try:
             reader = await self.process.spawn(self.restarts)
         except LoadFailed as exc:
@@ -268,6 +280,7 @@ class WorkerHandle:
             return await self._reap()
         self.last_seen = self.clock()
         self._set_state(WorkerState.READY)
+        log.info("%s ready in %.1fs (pid %s)", self._label(), self.last_seen - started, self.pid)
         self.requests.kick()
         watchdog = asyncio.create_task(self._watch_liveness(), name="liveness")
         try:
@@ -321,10 +334,10 @@ class WorkerHandle:
 
     # ------------------------------------------------------------ requests
 
-    def submit(self, msg: p.Generate | p.Embed | p.Tokenize) -> Pending:
+    def submit(self, msg: p.Generate | p.Embed | p.Tokenize, caller: str = "") -> Pending:
         if not self.accepting:
             raise NotAccepting(self.state, self.reason or self.state.value)
-        return self.requests.add(msg, ready=self.state is WorkerState.READY)
+        return self.requests.add(msg, ready=self.state is WorkerState.READY, caller=caller)
 
     def cancel(self, pend: Pending) -> None:
         self.requests.cancel(pend)

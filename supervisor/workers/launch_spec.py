@@ -28,7 +28,8 @@ def parallel_for(settings: ModelSettings, device: str) -> int:
 
 def build_spec(key: tuple[str, bool], entry: ModelEntry, settings: ModelSettings,
                decision: ContextDecision | None, placed: GpuPlacement, plan: SpeculativePlan, *,
-               parallel: int, n_threads: int, default_ctx: int, device: str, pinned: bool) -> WorkerSpec:
+               parallel: int, n_threads: int, default_ctx: int, device: str, pinned: bool,
+               vllm_python: str = "") -> WorkerSpec:
     """What the worker for ``key`` runs; ``pinned``: per-GPU devices, the worker
     is pinned to the GPUs it was placed on instead of running on ``device``."""
     model_id, embedding = key
@@ -45,7 +46,10 @@ def build_spec(key: tuple[str, bool], entry: ModelEntry, settings: ModelSettings
                       lora=() if embedding else tuple(Path(a.path) for a in entry.adapters),
                       devices=tuple(placed.devices) if pinned else (device,),
                       gpu_indices=tuple(placed.indices) if pinned else None,
-                      tensor_split=tuple(placed.tensor_split))
+                      tensor_split=tuple(placed.tensor_split),
+                      # An hf model runs in a vLLM worker, from the vLLM environment.
+                      engine="vllm" if entry.kind == "hf" else "llamacpp",
+                      python=vllm_python if entry.kind == "hf" else "")
 
 
 def unchanged(handle: WorkerHandle, entry: ModelEntry, options: ModelSettings | None,

@@ -13,6 +13,9 @@ The rule, per model:
   counted, their repeats do not. A crash with nothing in flight, or with any
   new request in flight, counts as before, so a model that crashes on
   innocent traffic still ends ``failed``.
+- A changed byte makes a new fingerprint, so crashes are also blamed on the
+  callers in flight, who are refused once they keep crashing workers
+  (supervisor/workers/crash_keys.py, which applies both rules).
 
 Both are remembered for ``ttl`` seconds after their last crash, at most
 ``max_entries`` of them (least recently crashed first out).

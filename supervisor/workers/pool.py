@@ -20,8 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
+
 from supervisor.config import ModelSettings, parse_duration
-from supervisor.errors import ApiError, DeviceBusy, ModelNotFound
+from supervisor.errors import ApiError, DeviceBusy, ModelFailed, ModelNotFound
 from supervisor.models.draft import SpeculativePlan, plan_speculative
 from supervisor.models.gpu_place import GpuPlacement
 from supervisor.models.library import ModelEntry
@@ -37,7 +39,8 @@ from supervisor.workers.gpu_room import (
     worker_devices,
 )
 from supervisor.workers.handle import WorkerHandle, WorkerState
-from supervisor.workers.poison import PoisonTracker, fingerprint
+from supervisor.workers.crash_keys import KeyCrashes, crash_counts
+from supervisor.workers.poison import PoisonTracker
 from supervisor.workers.queue import Pending, WorkerGone
 from supervisor.workers.replies import Generation, as_api_error
 from supervisor.workers.room import Room
@@ -64,6 +67,15 @@ class PoolConfig(Protocol):
     memory_budget_mib: int
     load_wait_timeout: float
     model_defaults: dict[str, ModelSettings]
+    vllm_python: str  # the Python of the vLLM environment ("" = none)
+    # The runaway guard: output tokens of a request that sets no limit (0 =
+    # none), and seconds a request may run once its worker took it (0 = no limit).
+    default_max_tokens: int
+    request_timeout_s: float
+    # Crashes a caller may be blamed for within the window before it is
+    # refused (supervisor/workers/crash_keys.py); 0 = no refusal per caller.
+    caller_crash_limit: int
+    caller_crash_window_s: float
 
     def model_settings(self, model_id: str) -> ModelSettings: ...
 
@@ -103,8 +115,10 @@ class WorkerPool:
                          placements=self.placements)
         # Observers of finished generations (metrics): called with (model, Done).
         self.on_done: list[Callable[[str, p.Done], None]] = []
-        # Requests in flight during worker crashes (supervisor/workers/poison.py).
+        # Requests in flight during worker crashes (supervisor/workers/poison.py),
+        # and the callers they came from (supervisor/workers/crash_keys.py).
         self.poison = PoisonTracker()
+        self.crash_keys = KeyCrashes(cfg.caller_crash_limit, cfg.caller_crash_window_s)
         # Each model's drafting plan and last refusal (supervisor/workers/drafting.py).
         self.speculative = SpeculativeBook()
 
@@ -135,6 +149,9 @@ class WorkerPool:
             entry = self.models.entry(model_id)
             if entry is None:
                 raise ModelNotFound(f"model '{model_id}' does not exist", param="model")
+            if entry.kind == "hf" and not entry.usable:
+                # No vLLM environment, or files it cannot load: nothing to start.
+                raise ModelFailed(f"model '{model_id}' is unusable: {entry.reason}")
             plan = await self._plan_speculative(entry, settings, embedding)
             if handle is not None and self._reusable(handle, entry, options, settings, plan):
                 handle.keep_alive = parse_duration(settings.keep_alive or 0)
@@ -184,11 +201,11 @@ class WorkerPool:
                                                       draft=plan)
         spec = launch_spec.build_spec(key, entry, settings, decision, placed, plan, parallel=parallel,
                                       n_threads=self.cfg.n_threads, default_ctx=self.cfg.n_ctx,
-                                      device=self.device, pinned=self.room.gpus is not None)
+                                      device=self.device, pinned=self.room.gpus is not None,
+                                      vllm_python=self.cfg.vllm_python)
         handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit, self._clock)
         handle.keep_alive = parse_duration(settings.keep_alive or 0)
-        handle.crash_counts = lambda in_flight: self.poison.crashed(
-            fingerprint(model_id, pend.msg) for pend in in_flight)
+        handle.crash_counts = lambda in_flight: crash_counts(self.poison, self.crash_keys, model_id, in_flight)
         self.handles[key] = handle
         self.fits[key] = decision
         self.placements[key] = placed
@@ -275,9 +292,9 @@ class WorkerPool:
 
     # ------------------------------------------------------------ requests
 
-    def _submit(self, handle: WorkerHandle, msg: p.Generate | p.Embed | p.Tokenize) -> Pending:
+    def _submit(self, handle: WorkerHandle, msg: p.Generate | p.Embed | p.Tokenize, caller: str = "") -> Pending:
         self._check_admission(handle)
-        return submit.submit(handle, msg, self.poison)
+        return submit.submit(handle, msg, self.poison, self.crash_keys, caller)
 
     async def _route(self, model: str, lora_scale: float | None = None) -> adapter_route.Route:
         """A ``<base>:<adapter>`` id runs on its base's worker (supervisor/workers/adapter_route.py)."""
@@ -305,6 +322,7 @@ class WorkerPool:
         keep_alive: float | None = None,
         images: list[bytes] | None = None,
         lora_scale: float | None = None,
+        caller: str = "",
     ) -> Generation:
         """Load the model and queue one completion now, so that a refusal
         (queue full, GPU busy, model failed) raises before any output.
@@ -312,19 +330,28 @@ class WorkerPool:
         ``keep_alive`` (seconds; 0 = unload after this request, negative =
         keep loaded) overrides how long the model stays loaded afterwards.
         ``lora_scale`` scales the adapter of a ``<base>:<adapter>`` model.
+        ``caller`` is who asked (supervisor/api/callers.py): crashes are blamed on it.
+        The runaway guard applies here, to every API alike: a request with no
+        token limit gets ``default_max_tokens``, and ``request_timeout_s``
+        bounds how long it runs.
         """
         route = await self._route(model, lora_scale)
         handle = await self.load(route.model)
         if keep_alive is not None:
             handle.keep_alive = keep_alive
-        msg = p.Generate(0, params or p.SamplingParams(), messages, prompt, tools,
+        params = params or p.SamplingParams()
+        if params.max_tokens is None and self.cfg.default_max_tokens:
+            params = msgspec.structs.replace(params, max_tokens=self.cfg.default_max_tokens)
+        msg = p.Generate(0, params, messages, prompt, tools,
                          template_vars or {}, request_id, images or [],
                          adapter=route.adapter, adapter_scale=route.scale)
-        return Generation(self.on_done, model, handle, self._submit(handle, msg))
+        return Generation(self.on_done, model, handle, self._submit(handle, msg, caller),
+                          time_limit=self.cfg.request_timeout_s)
 
-    async def _call(self, model: str, embedding: bool, msg: p.Embed | p.Tokenize) -> p.FromWorker:
+    async def _call(self, model: str, embedding: bool, msg: p.Embed | p.Tokenize,
+                    caller: str = "") -> p.FromWorker:
         handle = await self.load(model, embedding)
-        pend = self._submit(handle, msg)
+        pend = self._submit(handle, msg, caller)
         try:
             ev = await pend.events.get()
         finally:
@@ -333,13 +360,13 @@ class WorkerPool:
             raise as_api_error(ev)
         return ev
 
-    async def embed(self, model: str, inputs: list[str]) -> p.Embeddings:
+    async def embed(self, model: str, inputs: list[str], caller: str = "") -> p.Embeddings:
         # In batches: every reply frame stays far below the IPC frame limit
         # (2,048 inputs of 4,096 floats would be about 75 MB in one frame).
         vectors: list[list[float]] = []
         tokens = 0
         for start in range(0, max(1, len(inputs)), EMBED_BATCH):
-            ev = await self._call(model, True, p.Embed(0, inputs[start : start + EMBED_BATCH]))
+            ev = await self._call(model, True, p.Embed(0, inputs[start : start + EMBED_BATCH]), caller)
             assert isinstance(ev, p.Embeddings)
             vectors += ev.vectors
             tokens += ev.prompt_tokens

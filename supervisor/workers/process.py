@@ -157,7 +157,8 @@ class WorkerProcess:
 
     def _args(self, sock: Path) -> list[str]:
         s = self.spec
-        args = [sys.executable, "-m", "worker", "--socket", str(sock), "--model", str(s.path),
+        args = [s.python or sys.executable, "-m", "worker", "--engine", s.engine,
+                "--socket", str(sock), "--model", str(s.path),
                 "--n-ctx", str(s.n_ctx), "--n-gpu-layers", str(s.n_gpu_layers),
                 "--threads", str(s.n_threads), "--heartbeat", str(self.timing.heartbeat),
                 "--parallel", str(max(1, s.parallel)), "--engine-socket", str(_engine_socket(sock))]
@@ -260,10 +261,20 @@ def _engine_socket(ipc_socket: Path) -> Path:
 
 
 def _rss(pid: int) -> int:
+    """Resident memory of the worker and its children: a vLLM worker loads
+    the model in its engine-core process, while its own memory stays flat."""
     try:
-        return int(psutil.Process(pid).memory_info().rss)
+        proc = psutil.Process(pid)
+        total = int(proc.memory_info().rss)
+        children = proc.children(recursive=True)
     except psutil.Error:
         return 0  # exited or not visible: the caller sees the exit itself
+    for child in children:
+        try:
+            total += int(child.memory_info().rss)
+        except psutil.Error:
+            continue  # a child that just exited: counted as nothing
+    return total
 
 
 def _open_log(path: Path) -> BinaryIO:

@@ -41,6 +41,9 @@ class Pending:
     events: asyncio.Queue[p.FromWorker | WorkerGone] = field(default_factory=asyncio.Queue)
     sent: bool = False
     finished: bool = False
+    # Who asked (supervisor/api/callers.py): a crash is blamed on the callers in
+    # flight (supervisor/workers/crash_keys.py). Empty: the parent's own request.
+    caller: str = ""
 
 
 class Transport(Protocol):
@@ -74,12 +77,12 @@ class RequestQueue:
     def slots_full(self) -> bool:
         return len(self.inflight) >= max(1, self.parallel)
 
-    def add(self, msg: p.Generate | p.Embed | p.Tokenize, ready: bool) -> Pending:
+    def add(self, msg: p.Generate | p.Embed | p.Tokenize, ready: bool, caller: str = "") -> Pending:
         """Queue a request; full only when it would wait (``ready``: the worker runs)."""
         if len(self.waiting) >= self.limit and (self.slots_full or not ready):
             raise QueueFull(f"{len(self.waiting)} requests are already waiting for {self.model_id}")
         msg.id = next(self._ids)
-        pend = Pending(msg.id, msg)
+        pend = Pending(msg.id, msg, caller=caller)
         self.waiting.append(pend)
         self.last_used = self.clock()
         self.kick()

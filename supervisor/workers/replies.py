@@ -9,8 +9,12 @@ field names of the API that asked, so each API maps the cause once.
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import logging
 from collections.abc import Callable
+
+import msgspec
 
 from supervisor.errors import (
     NO_RETRY,
@@ -24,6 +28,7 @@ from supervisor.workers.handle import WorkerHandle
 from supervisor.workers.queue import Pending, WorkerGone
 from worker import protocol as p
 
+log = logging.getLogger("gpuvisor.pool")
 
 class Blame(enum.Enum):
     """What in a request a worker refused; each API names its own field for it."""
@@ -64,10 +69,16 @@ class Generation:
 
     ``aclose()`` withdraws or cancels it in the worker (a no-op once it has
     finished); unlike a generator's, it works even if never iterated.
+
+    ``time_limit`` (seconds, 0 = none) bounds how long it runs once the
+    worker took it: then it is cancelled in the worker, and its ``Done``
+    says ``length`` with ``timed_out``, as if it had reached its token limit.
+    The clock runs in the parent, so it holds for every engine, and a
+    client never waits on a generation that would not end.
     """
 
     def __init__(self, on_done: list[Callable[[str, p.Done], None]], model: str, handle: WorkerHandle,
-                 pend: Pending) -> None:
+                 pend: Pending, time_limit: float = 0.0) -> None:
         self._on_done = on_done
         self._model = model
         self._handle = handle
@@ -76,6 +87,22 @@ class Generation:
         # An output ``accepted()`` read past the worker's Started, kept for iteration.
         self._ahead: p.FromWorker | WorkerGone | None = None
         self._accepted = False
+        self._time_limit = time_limit
+        self._timer: asyncio.TimerHandle | None = None
+        self._timed_out = False
+
+    def _taken(self) -> None:
+        """The worker took the request: its clock starts."""
+        self._accepted = True
+        if self._time_limit > 0 and self._timer is None and not self._ended:
+            self._timer = asyncio.get_running_loop().call_later(self._time_limit, self._expire)
+
+    def _expire(self) -> None:
+        if not self._ended:
+            log.warning("request %d on %s ran for its time limit (%g s): cancelled",
+                        self._pend.id, self._model, self._time_limit)
+            self._timed_out = True
+            self._handle.cancel(self._pend)
 
     def __aiter__(self) -> Generation:
         return self
@@ -87,7 +114,7 @@ class Generation:
         if self._ended or self._accepted:
             return
         ev = await self._pend.events.get()
-        self._accepted = True
+        self._taken()
         if isinstance(ev, p.Started):
             return
         self._ahead = ev
@@ -100,7 +127,9 @@ class Generation:
             ev, self._ahead = self._ahead, None
             return ev
         while isinstance(ev := await self._pend.events.get(), p.Started):
-            self._accepted = True
+            self._taken()
+        if not self._accepted:
+            self._taken()  # an engine that sends no Started: its first output
         return ev
 
     async def __anext__(self) -> p.Delta | p.Done:
@@ -115,12 +144,16 @@ class Generation:
             return ev
         await self.aclose()
         if isinstance(ev, p.Done):
+            if self._timed_out and ev.finish_reason == "cancelled":
+                ev = msgspec.structs.replace(ev, finish_reason="length", timed_out=True)
             for observe in self._on_done:
                 observe(self._model, ev)
             return ev
         raise as_api_error(ev)
 
     async def aclose(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         if not self._ended:
             self._ended = True
             self._handle.cancel(self._pend)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.speculative import SpeculativeOptions
+from worker.protocol import SpeculativeOptions
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,10 @@ class WorkerSpec:
     devices: tuple[str, ...] = ()
     gpu_indices: tuple[int, ...] | None = None
     tensor_split: tuple[float, ...] = ()
+    # The engine (worker/engine_api.py ENGINES) and the Python that runs the
+    # worker: "" = the parent's own (vLLM workers run from their own venv).
+    engine: str = "llamacpp"
+    python: str = ""
 
 
 @dataclass(frozen=True)

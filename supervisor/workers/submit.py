@@ -1,7 +1,8 @@
 """Queueing one request on a worker, and waiting for a loading worker's facts.
 
 The worker-side refusals become typed :mod:`supervisor.errors` exceptions
-here, before any output: a request that crashed the worker twice (400), a
+here, before any output: a caller whose requests keep crashing workers (429,
+supervisor/workers/crash_keys.py), a request that crashed the worker twice (400), a
 full queue or a model that is not accepting (503), a failed model (its load
 failed; load it again to retry). The pool checks the GPU lease first.
 """
@@ -9,21 +10,25 @@ failed; load it again to retry). The pool checks the GPU lease first.
 from __future__ import annotations
 
 from supervisor.errors import BadRequest, ModelFailed, Unavailable
+from supervisor.workers.crash_keys import KeyCrashes
 from supervisor.workers.handle import NotAccepting, WorkerHandle, WorkerState
 from supervisor.workers.poison import PoisonTracker, fingerprint
 from supervisor.workers.queue import Pending, QueueFull
 from worker import protocol as p
 
 
-def submit(handle: WorkerHandle, msg: p.Generate | p.Embed | p.Tokenize, poison: PoisonTracker) -> Pending:
-    """Queue ``msg`` on the worker, or raise the refusal as an API error."""
+def submit(handle: WorkerHandle, msg: p.Generate | p.Embed | p.Tokenize, poison: PoisonTracker,
+           keys: KeyCrashes | None = None, caller: str = "") -> Pending:
+    """Queue ``msg`` for ``caller`` on the worker, or raise the refusal as an API error."""
+    if keys is not None:
+        keys.check(caller)
     # No fingerprint is taken (a hash of the whole prompt) until a crash was seen.
     if poison and poison.is_poison(fingerprint(handle.spec.model_id, msg)):
         raise BadRequest(
             f"this request crashed the model worker of '{handle.spec.model_id}' twice; "
             "it is refused so that it cannot take the model down for others", code="request_crashed_worker")
     try:
-        return handle.submit(msg)
+        return handle.submit(msg, caller)
     except QueueFull as exc:
         raise Unavailable(str(exc), retry_after=2, code="queue_full") from exc
     except NotAccepting as exc:

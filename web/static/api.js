@@ -179,6 +179,17 @@ export function hasRoute(method, path) {
   return spec.then((doc) => Boolean(doc.paths?.[path]?.[method.toLowerCase()]));
 }
 
+// The lease's device ids (GET api/gpu); [] when they cannot be read (an
+// older server, a failed request): callers then show what they stored.
+export function leaseDevices() {
+  return getJson('api/gpu').then((g) => (g.devices || []).map((d) => d.id), () => []);
+}
+
+// A machine without a GPU: the lease's only device is `cpu`.
+export function cpuOnly(deviceIds) {
+  return deviceIds.length > 0 && deviceIds.every((id) => id === 'cpu');
+}
+
 // The base URL of the OpenAI-compatible API as this browser reaches it
 // (right behind a proxy, under a path prefix too).
 export function apiBase() {

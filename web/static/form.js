@@ -88,7 +88,8 @@ class Field {
       case 'list':
         return h('textarea', { id, name: this.name, rows: 2, placeholder: 'one per line', value: (dflt || []).join('\n') });
       case 'json':
-        return h('textarea', { id, name: this.name, rows: 3, class: 'mono', value: dflt === undefined ? '' : JSON.stringify(dflt) });
+        // No default (or null, "none"): empty, never the text "null".
+        return h('textarea', { id, name: this.name, rows: 3, class: 'mono', value: dflt === undefined || dflt === null ? '' : JSON.stringify(dflt) });
       default:
         return h('input', {
           id, name: this.name, type: 'text', value: dflt ?? '', autocomplete: 'off', spellcheck: false,

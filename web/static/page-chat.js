@@ -5,32 +5,22 @@
 // browser (localStorage) to open, continue, rename and delete later; the
 // model can change between turns of one conversation. Images attach by the
 // file picker, drag-and-drop or paste, for models whose projector loaded
-// (``vision`` in /api/models); they are sent inline as data: URLs.
-import { getJson, send } from './api.js';
-import { errorBox, formatNumber, h, replace } from './dom.js';
+// (``vision`` in /api/models); they are sent inline as data: URLs. Until
+// its first token, a turn to a model that is not loaded says it loads, with
+// the load's progress (the picker and that line: chat-models.js).
+import { send } from './api.js';
+import { errorBox, formatNumber, h, progressBar, replace } from './dom.js';
+import { loadingState, modelPicker } from './chat-models.js';
 import { ChatSession } from './chat-stream.js';
 import { busyBox, isDeviceBusy, positionText, waitForDevice } from './chat-wait.js';
 import {
   getConversation, listConversations, newConversationId, removeConversation, renameConversation, saveConversation, titleFrom,
 } from './chat-store.js';
 import { renderMarkdown } from './markdown.js';
-import { poll } from './poll.js';
 
 const conversation = {
   session: new ChatSession(), turns: [], model: '', instructions: '', maxTokens: 512, temperature: '', id: null, title: '',
 };
-
-// What the model picker says about each model's state.
-export function modelStateText(m) {
-  switch (m.state) {
-    case 'ready': return 'loaded';
-    case 'starting': return 'loading…';
-    case 'unloaded': return 'loads on first use';
-    case 'draining': case 'stopping': return 'unloading';
-    case 'crashed': return 'restarting after a crash';
-    default: return m.state;
-  }
-}
 
 // The server's bounds (worker/protocol.py): refused here first, with the reason.
 // What the engine decodes: WebP is not among them.
@@ -71,7 +61,15 @@ function turnError(turn, actions) {
   return errorBox(turn.error);
 }
 
+// While the turn waits for its model to load: what is happening, and how far.
+function loadingLine(turn) {
+  if (!turn.loading) return [];
+  const { text, progress } = turn.loading;
+  return [text, typeof progress === 'number' ? [' ', h('span', { class: 'pct', text: `${Math.round(progress * 100)}%` }), progressBar(progress, `loading ${turn.model}`)] : null];
+}
+
 function turnView(turn, actions) {
+  const loading = h('p', { class: 'turn-loading small muted', role: 'status', hidden: !turn.loading }, loadingLine(turn));
   const reasoningBody = h('div', { class: 'reasoning-text', text: turn.reasoning });
   const reasoning = h('details', { class: 'reasoning', hidden: !turn.reasoning },
     h('summary', { text: turn.status === 'streaming' && !turn.text ? 'Thinking…' : 'Reasoning' }), reasoningBody);
@@ -82,7 +80,7 @@ function turnView(turn, actions) {
   const error = h('div');
   error.append(turnError(turn, actions) ?? '');
   const answer = h('div', { class: `msg assistant ${turn.status}`, 'aria-busy': String(turn.status === 'streaming') },
-    h('div', { class: 'who', text: turn.model }), reasoning, text, error, meta);
+    h('div', { class: 'who', text: turn.model }), loading, reasoning, text, error, meta);
   // Saved conversations keep only a count of their images (localStorage is small).
   const pics = (turn.images || []).map((url) => h('img', { class: 'chat-image', src: url, alt: 'attached image' }));
   const missing = (turn.imageCount || 0) - pics.length;
@@ -95,6 +93,8 @@ function turnView(turn, actions) {
     el,
     turn,
     update() {
+      loading.hidden = !turn.loading;
+      replace(loading, loadingLine(turn));
       reasoningBody.textContent = turn.reasoning;
       reasoning.hidden = !turn.reasoning;
       reasoning.querySelector('summary').textContent = turn.status === 'streaming' && !turn.text ? 'Thinking…' : 'Reasoning';
@@ -126,12 +126,10 @@ export function mount(root, _params, query) {
   const composer = h('form', { class: 'composer', novalidate: true }, thumbs, input, formError,
     h('div', { class: 'actions' }, newBtn, attachBtn, picker, h('span', { class: 'spacer' }), stopBtn, sendBtn));
   let attached = []; // data: URLs for the next turn
-  const vision = new Map(); // model id -> { vision, vision_error }
   const convList = h('ul', { class: 'plain conversations', 'aria-label': 'Saved conversations' });
 
   const settings = h('details', { class: 'card chat-settings', open: true },
     h('summary', {}, h('h2', { text: 'Settings' })),
-    h('div', { class: 'field' }, h('label', { for: 'chat-model', text: 'Model' }), modelSel),
     h('div', { class: 'field' }, h('label', { for: 'chat-instructions', text: 'Instructions' }), instructions),
     h('div', { class: 'field-pair' },
       h('div', { class: 'field' }, h('label', { for: 'chat-max-tokens', text: 'Max tokens' }), maxTokens),
@@ -143,7 +141,10 @@ export function mount(root, _params, query) {
     h('div', { class: 'page-head' }, h('h1', { text: 'Chat' }),
       h('p', { class: 'muted', text: 'Talk to a model through the Responses API. Each answer continues the previous one.' })),
     h('div', { class: 'chat-layout' }, h('div', { class: 'chat-side' }, settings, history),
-      h('section', { class: 'card chat-main', 'aria-label': 'Chat' }, transcript, composer)));
+      h('section', { class: 'card chat-main', 'aria-label': 'Chat' },
+        // The model stays in view on a phone too, where the settings fold away.
+        h('div', { class: 'chat-model-bar' }, h('label', { for: 'chat-model', text: 'Model' }), modelSel),
+        transcript, composer)));
   if (window.matchMedia('(max-width: 760px)').matches) { settings.open = false; history.open = false; }
 
   let controller = null;
@@ -214,7 +215,11 @@ export function mount(root, _params, query) {
     if (c.session.mode === 'chat') {
       modeNote.textContent = 'This server has no /v1/responses: using /v1/chat/completions, with the history kept in this page.';
     } else if (c.session.previousId) {
-      replace(modeNote, 'Continuing from ', h('code', { class: 'response-id', title: c.session.previousId, text: c.session.previousId }));
+      // The id means nothing to a reader: it stays in the tooltip.
+      replace(modeNote, h('span', {
+        class: 'response-id', title: `previous_response_id: ${c.session.previousId}`, dataset: { responseId: c.session.previousId },
+        text: 'Each message continues this conversation, stored on the server.',
+      }));
     } else {
       replace(modeNote);
     }
@@ -314,49 +319,28 @@ export function mount(root, _params, query) {
     modelSel.disabled = on;
   }
 
-  // The model list, refreshed so a state shown ("loads on first use") stays true.
-  let pending = query?.get('model') || null;
-  let firstList = true;
-  const models = poll(async () => {
-    let body;
-    try {
-      body = await getJson('api/models');
-    } catch (err) {
-      if (firstList) {
-        replace(modelSel, h('option', { value: '', text: 'Could not list models' }));
-        replace(formError, errorBox(err, 'Could not list models'));
-      }
-      return;
-    }
-    // Each LoRA adapter that fits a model is a model of its own: <base>:<adapter>.
-    const usable = body.data.filter((m) => m.usable)
-      .flatMap((m) => [m, ...(m.adapters || []).map((a) => ({ ...m, id: a.model }))]);
-    if (!usable.length) {
-      replace(modelSel, h('option', { value: '', text: 'No usable model' }));
-      return;
-    }
-    const keep = firstList ? null : modelSel.value;
-    vision.clear();
-    for (const m of usable) vision.set(m.id, { vision: Boolean(m.vision), error: m.vision_error || '' });
-    replace(modelSel, usable.map((m) => h('option', { value: m.id, dataset: { state: m.state }, text: `${m.id} — ${modelStateText(m)}` })));
-    const has = (id) => id && usable.some((m) => m.id === id);
-    const ready = usable.find((m) => m.state === 'ready');
-    // A model asked for in the URL (#/chat?model=…) may just have been written
-    // (a quantize result): it is picked once the library lists it.
-    if (pending && has(pending)) { modelSel.value = pending; pending = null; } else {
-      modelSel.value = has(keep) ? keep : has(c.model) ? c.model : (ready || usable[0]).id;
-    }
-    c.model = modelSel.value;
-    firstList = false;
-  }, () => (modelSel.querySelector('option[data-state=starting]') ? 1000 : 5000));
-
-  modelSel.addEventListener('change', () => { c.model = modelSel.value; pending = null; });
+  // The model list, refreshed so a state shown ("loads on first use") stays
+  // true; a turn waiting for its model shows how the load goes.
+  let waitingTurn = null; // { turn, view } streaming with nothing received yet
+  const showLoading = () => {
+    if (!waitingTurn) return;
+    const { turn, view } = waitingTurn;
+    turn.loading = loadingState(turn.model, models.info(turn.model));
+    view.update();
+  };
+  const models = modelPicker(modelSel, {
+    wanted: query?.get('model') || null,
+    current: () => c.model,
+    onPick: (id) => { c.model = id; },
+    onList: showLoading,
+    onError: (box) => replace(formError, box),
+  });
 
   // Why the selected model cannot take images, or null when it can.
   function noVision() {
-    const v = vision.get(modelSel.value);
+    const v = models.info(modelSel.value);
     if (!v || v.vision) return null;
-    return `${modelSel.value} takes no images: it has no vision projector${v.error ? ` (${v.error})` : ''}.`;
+    return `${modelSel.value} takes no images: it has no vision projector${v.visionError ? ` (${v.visionError})` : ''}.`;
   }
   function showThumbs() {
     replace(thumbs, attached.map((url, i) => h('span', { class: 'thumb' },
@@ -428,9 +412,19 @@ export function mount(root, _params, query) {
     if (images.length && noVision()) { formError.textContent = noVision(); return; }
     attached = [];
     showThumbs();
-    const turn = { user: text, images, imageCount: images.length, model: s.model, reasoning: '', text: '', status: 'streaming', usage: null, error: null, tps: null, seconds: null, responseId: null };
+    const turn = { user: text, images, imageCount: images.length, model: s.model, reasoning: '', text: '', status: 'streaming', usage: null, error: null, tps: null, seconds: null, responseId: null, loading: null };
     c.turns.push(turn);
     const view = addView(turn);
+    // Until the first token: a model that is not loaded yet says so (a first use loads it).
+    waitingTurn = { turn, view };
+    showLoading();
+    models.hurry(true);
+    const received = () => {
+      if (!waitingTurn) return;
+      waitingTurn = null;
+      turn.loading = null;
+      models.hurry(false);
+    };
     input.value = '';
     controller = new AbortController();
     setStreaming(true);
@@ -445,6 +439,7 @@ export function mount(root, _params, query) {
     let frame = 0;
     const render = () => { frame = 0; view.update(); follow(); };
     const delta = () => {
+      received();
       firstToken ??= performance.now();
       frame ||= requestAnimationFrame(render);
     };
@@ -467,6 +462,7 @@ export function mount(root, _params, query) {
       else { turn.status = 'failed'; turn.error = err; }
       turn.seconds = (performance.now() - started) / 1000;
     } finally {
+      received();
       cancelAnimationFrame(frame);
       controller = null;
       setStreaming(false);

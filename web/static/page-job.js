@@ -1,6 +1,6 @@
 // One job: live status over SSE (resuming with Last-Event-ID), the loss
 // chart, the log tail, the result, and cancel / cancel-with-save / resume.
-import { connection, del, getJson, getText, postJson } from './api.js';
+import { connection, cpuOnly, del, getJson, getText, leaseDevices, postJson } from './api.js';
 import { lineChart, lossSeries } from './chart.js';
 import { badge, errorBox, formatBytes, formatDuration, formatNumber, formatTime, h, progressBar, replace } from './dom.js';
 import { FIELD_LABELS } from './schema.js';
@@ -16,12 +16,15 @@ const METRICS = [
   ['bytes_done', 'Downloaded'], ['bytes_total', 'Size'], ['rate', 'Rate'], ['elapsed_s', 'Elapsed'], ['eta_s', 'ETA'],
 ];
 const STREAM_LABELS = { connecting: 'connecting…', live: 'live', reconnecting: 'reconnecting…', ended: 'finished', error: 'stream error' };
+// The metrics that are spans of time ("_s" alone says seconds or per second: tokens_per_s).
+const DURATIONS = new Set(['elapsed_s', 'eta_s']);
 
-function metricText(key, value) {
+export function metricText(key, value) {
   if (typeof value !== 'number') return String(value);
-  if (key.endsWith('_s')) return formatDuration(value);
+  if (DURATIONS.has(key)) return formatDuration(value);
   if (key.startsWith('bytes')) return formatBytes(value);
   if (key === 'rate') return `${formatBytes(value)}/s`;
+  if (key === 'tokens_per_s') return formatNumber(value, 1);
   if (key.includes('loss')) return value.toFixed(4);
   if (key === 'learning_rate' || key === 'lr') return value.toExponential(2);
   return formatNumber(value, Number.isInteger(value) ? 0 : 2);
@@ -159,6 +162,20 @@ export function resultSummary(job) {
     next.length ? h('p', { class: 'next-steps' }, h('strong', { text: 'Next: ' }), next.flatMap((a, i) => (i ? [' · ', a] : [a]))) : null);
 }
 
+// The parameters as a person reads them. On a machine without a GPU the
+// lease's only device is `cpu`: the job runs there, whatever `gpus` counts.
+export function paramFacts(params, deviceIds) {
+  const noGpu = cpuOnly(deviceIds);
+  const value = (v) => (v === null ? h('span', { class: 'muted', text: '—' }) : h('code', { text: typeof v === 'string' ? v : JSON.stringify(v) }));
+  return Object.entries(params).flatMap(([k, v]) => {
+    if (noGpu && k === 'gpu_ids') return [];
+    if (noGpu && k === 'gpus') {
+      return [h('dt', { text: 'Device', title: 'this machine has no GPU' }), h('dd', {}, h('code', { text: 'cpu' }), h('span', { class: 'muted', text: ' · no GPU here' }))];
+    }
+    return [h('dt', { text: FIELD_LABELS[k] || k, title: k }), h('dd', {}, value(v))];
+  });
+}
+
 // Between start and finish: a clock the page ticks.
 function elapsed(job) {
   if (!job.started_at) return null;
@@ -199,6 +216,7 @@ export function mount(root, [jobId]) {
   let job = null;
   let stream = null;
   let busy = false;
+  let deviceIds = []; // the lease's devices, once read
   const events = []; // progress/metric events with numbers, for the chart
   let latest = {}; // the latest progress data
 
@@ -265,7 +283,7 @@ export function mount(root, [jobId]) {
       h('div', { class: 'row' }, h('h2', { text: 'Progress' }), h('span', { class: 'spacer' }), h('strong', { class: 'pct', text: pct })),
       progressBar(job.progress, 'job progress'),
       h('p', { class: 'stage', text: stageText() || ' ' }),
-      job.error ? h('div', { class: 'notice error', role: 'alert' }, h('strong', { text: 'Error: ' }), job.error) : null,
+      job.error ? h('div', { class: 'notice error job-error', role: 'alert' }, h('strong', { text: 'Error: ' }), job.error) : null,
       h('dl', { class: 'facts' },
         h('dt', { text: 'Created' }), h('dd', { text: formatTime(job.created_at) }),
         h('dt', { text: 'Started' }), h('dd', { text: formatTime(job.started_at) }),
@@ -279,8 +297,7 @@ export function mount(root, [jobId]) {
       replace(resultCard, h('h2', { text: 'Result' }), resultSummary(job),
         h('details', { class: 'raw-result' }, h('summary', { text: 'Raw result (JSON)' }), h('pre', { class: 'json', text: JSON.stringify(job.result, null, 2) })));
     }
-    replace(paramsCard, h('h2', { text: 'Parameters' }), h('dl', { class: 'facts params' },
-      Object.entries(job.params).map(([k, v]) => [h('dt', { text: FIELD_LABELS[k] || k, title: k }), h('dd', {}, v === null ? h('span', { class: 'muted', text: '—' }) : h('code', { text: typeof v === 'string' ? v : JSON.stringify(v) }))])));
+    replace(paramsCard, h('h2', { text: 'Parameters' }), h('dl', { class: 'facts params' }, paramFacts(job.params, deviceIds)));
   }
 
   // Cheap updates between full renders: the bar, the percentage and the stage line.
@@ -369,6 +386,7 @@ export function mount(root, [jobId]) {
     stream.start();
   }
 
+  leaseDevices().then((ids) => { deviceIds = ids; render(); });
   getJson(url()).then((j) => {
     job = j;
     render();

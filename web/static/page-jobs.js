@@ -1,6 +1,6 @@
 // Jobs: the list with filters, and a submit form per kind built from the
 // params schema. The dataset form uploads a file first (with a preview).
-import { getJson, hasRoute, postJson, uploadDataset } from './api.js';
+import { cpuOnly, getJson, hasRoute, leaseDevices, postJson, uploadDataset } from './api.js';
 import { badge, errorBox, formatAgo, formatBytes, formatDuration, h, progressBar, replace, stackTable } from './dom.js';
 import { renderPreview, previewRows } from './dataset-preview.js';
 import { SchemaForm } from './form.js';
@@ -30,7 +30,8 @@ function jobRow(j) {
     h('td', { text: j.kind }),
     h('td', {}, badge(j.status)),
     h('td', { class: 'progress-cell' }, progressBar(j.progress, `${j.id} progress`),
-      h('span', { class: 'small muted', text: j.error ? j.error : j.stage || '' })),
+      // An error's first line: advice of several lines is on the job's page.
+      h('span', { class: 'small muted', text: j.error ? j.error.split('\n')[0] : j.stage || '' })),
     h('td', { text: formatAgo(j.created_at) }),
     h('td', { text: jobDuration(j) }));
 }
@@ -117,7 +118,7 @@ function datasetUpload(form) {
     replace(preview, renderPreview(file, await previewRows(file), await templates));
   });
   const el = h('div', { class: 'field upload', dataset: { field: 'file' } },
-    h('label', { for: 'dataset-file', text: 'Dataset file' }), input,
+    h('label', { for: 'dataset-file', text: 'Upload a file' }), input,
     h('p', { class: 'field-help', text: 'JSONL, JSON, CSV/TSV, text or Parquet. It is uploaded into the datasets directory.' }),
     errorEl, preview);
   return {
@@ -137,6 +138,8 @@ function submitPanel(kinds, onCreated, query) {
   let current = null;
   const picker = h('div', { class: 'segmented', role: 'radiogroup', 'aria-label': 'Job kind' });
   const choices = loadChoices();
+  // Without a GPU a count of GPUs, or which ones, is nothing to choose.
+  const noGpu = leaseDevices().then(cpuOnly);
 
   function show(kind, prefill = {}) {
     current = kind;
@@ -162,6 +165,13 @@ function submitPanel(kinds, onCreated, query) {
     for (const [name, value] of Object.entries(prefill)) form.field(name)?.setValue(value);
     choices.then((c) => {
       for (const f of form.fields) if (c[`${kind.kind}:${f.name}`]) f.setSuggestions(c[`${kind.kind}:${f.name}`]);
+    });
+    noGpu.then((only) => {
+      if (!only) return;
+      for (const name of ['gpus', 'gpu_ids']) {
+        const f = form.field(name);
+        if (f) f.el.hidden = true;
+      }
     });
     const upload = kind.kind === 'dataset' ? datasetUpload(form) : null;
     if (upload) form.el.prepend(upload.el);

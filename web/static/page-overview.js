@@ -7,6 +7,8 @@ import { poll } from './poll.js';
 const LOADED_MODEL_STATES = new Set(['starting', 'ready', 'draining', 'stopping']);
 const BROKEN_MODEL_STATES = new Set(['crashed', 'failed']);
 export const DEMO_MODEL = 'tiny-random-demo';
+// Its Hugging Face form, written beside it to fine-tune offline.
+export const DEMO_HF_MODEL = 'tiny-random-demo-hf';
 // Small, well-known GGUF repos to start with.
 export const STARTER_REPOS = ['ggml-org/gemma-3-270m-it-GGUF', 'Qwen/Qwen2.5-0.5B-Instruct-GGUF', 'bartowski/SmolLM2-360M-Instruct-GGUF'];
 
@@ -101,7 +103,7 @@ function modelsCard(models) {
 // Only the demo model (or nothing): say what it is and how to add a real one.
 function gettingStarted(models) {
   if (!models) return null;
-  const real = models.filter((m) => m.id !== DEMO_MODEL);
+  const real = models.filter((m) => m.id !== DEMO_MODEL && m.id !== DEMO_HF_MODEL);
   if (real.length) return null;
   const demo = models.find((m) => m.id === DEMO_MODEL);
   const dir = demo?.source === 'dir' && demo.path ? demo.path.replace(/\/[^/]*$/, '') : null;
@@ -110,7 +112,8 @@ function gettingStarted(models) {
     h('h2', { text: 'Add a real model' }),
     demo
       ? h('p', {}, h('code', { text: DEMO_MODEL }),
-        ' is a tiny demo model with random weights that gpuvisor writes so there is something to try: it loads in a moment and its answers are gibberish.')
+        ' is a tiny demo model with random weights that gpuvisor writes so there is something to try: it loads in a moment and its answers are gibberish.',
+        models.some((m) => m.id === DEMO_HF_MODEL) ? [' ', h('code', { text: DEMO_HF_MODEL }), ' is the same model in Hugging Face form, to fine-tune with no download.'] : null)
       : h('p', { text: 'There is no model yet.' }),
     h('p', {}, 'Put GGUF files into ', dir ? h('code', { class: 'models-dir', text: dir }) : 'the models directory',
       ', or pull one from the Hugging Face Hub from a shell in the gpuvisor checkout:'),

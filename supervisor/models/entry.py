@@ -1,0 +1,45 @@
+"""One model of the library (:mod:`supervisor.models.library`): a GGUF file
+(or shard set) served by llama.cpp, or a Hugging Face safetensors dir (kind
+``hf``, :mod:`supervisor.models.hf_info`) served by vLLM."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from supervisor.models.adapters import AdapterRef
+from supervisor.models.gguf_info import GgufInfo
+from supervisor.models.hf_info import HfInfo
+
+ModelKind = Literal["gguf", "hf"]
+# The engine each kind of model is served by.
+ENGINES: dict[str, str] = {"gguf": "llama.cpp", "hf": "vllm"}
+
+
+class ModelEntry(msgspec.Struct, kw_only=True):
+    """One model the library offers (or lists as unusable, with the reason)."""
+
+    id: str
+    # The file to load (the first shard of a set); for an hf model its dir.
+    path: str
+    files: list[str]
+    size_bytes: int
+    source: Literal["dir", "hf_cache"]
+    root: str
+    mtime: float
+    repo_id: str | None = None
+    revision: str | None = None  # hub commit hash
+    mmproj: str | None = None
+    quantization: str | None = None
+    info: GgufInfo | None = None
+    usable: bool = True
+    reason: str | None = None
+    # The LoRA adapters that fit this model (loaded with its worker).
+    adapters: list[AdapterRef] = []
+    kind: ModelKind = "gguf"
+    hf: HfInfo | None = None  # the facts of an hf model
+
+    @property
+    def engine(self) -> str:
+        return ENGINES[self.kind]

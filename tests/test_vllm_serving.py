@@ -1,0 +1,159 @@
+"""A Hugging Face model served by a vLLM worker through the real server: its
+fit's KV budget, streamed deltas, cancel, parallel requests.
+
+One worker for the whole module: vLLM's start takes half a minute on the
+CPU. Needs the vLLM environment (``make install-vllm``) and the train extra
+(the tiny model is made with transformers)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from supervisor.config import default_vllm_python
+from tests.server import Server, running, short_tempdir
+
+pytest.importorskip("transformers", reason="needs the train extra")
+VLLM_PYTHON = default_vllm_python()
+if not VLLM_PYTHON:
+    pytest.skip("no vLLM environment (make install-vllm)", allow_module_level=True)
+
+from tests.tiny_hf import build_vllm_model  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+MODEL = "tiny-vllm"
+# Long enough that a stream cancelled after its first chunk cannot have ended by itself.
+N_CTX = 16384
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[Server]:
+    models = short_tempdir("gvv")
+    build_vllm_model(models / MODEL, max_position_embeddings=N_CTX)
+    env = {"GPUVISOR_VLLM_PYTHON": VLLM_PYTHON, "GPUVISOR_PARALLEL": "2", "GPUVISOR_N_CTX": str(N_CTX)}
+    with running(Server(models, env=env, model=MODEL)) as server:
+        r = httpx.post(f"{server.base_url}/api/models/{MODEL}/load", timeout=300)
+        assert r.status_code == 200, r.text
+        server.wait_worker(lambda w: w["state"] == "ready", timeout=240)
+        yield server
+
+
+def _body(max_tokens: int, content: str = "What colour is the sky?") -> dict[str, Any]:
+    return {"model": MODEL, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "messages": [{"role": "user", "content": content}]}
+
+
+def _chunks(lines: list[str]) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_listed_with_its_engine_and_fit(srv: Server) -> None:
+    models = {m["id"]: m for m in httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"]}
+    assert (models[MODEL]["engine"], models[MODEL]["state"]) == ("vllm", "ready")
+    item = httpx.get(f"{srv.base_url}/api/models/{MODEL}", timeout=10).json()
+    fit = item["fit"]
+    # 2 layers x 2 KV heads x 64 x (K, V) x 2 bytes = 1 KiB per token, for
+    # n_ctx tokens x 2 sequences.
+    assert (fit["n_ctx"], fit["kv_bytes"]) == (N_CTX, N_CTX * 2 * 1024)
+    # vLLM's own figure for the budget the worker gave it: as many tokens.
+    log = httpx.get(f"{srv.base_url}/api/models/{MODEL}/log", timeout=10).text
+    found = re.search(r"KV cache size: ([\d,]+) tokens", log)
+    assert found is not None, log[-2000:]
+    assert int(found.group(1).replace(",", "")) == fit["kv_bytes"] // 1024
+
+
+def test_chat_streams_deltas(srv: Server) -> None:
+    with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=_body(48), timeout=120) as r:
+        assert r.status_code == 200
+        chunks = _chunks(list(r.iter_lines()))
+    deltas = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+    assert sum(1 for d in deltas if d) >= 2, chunks
+    assert chunks[-1]["choices"] == [] or chunks[-1]["choices"][0]["finish_reason"] == "length"
+    done = httpx.post(srv.base_url + "/v1/chat/completions", json={**_body(48), "stream": False}, timeout=120)
+    body = done.json()
+    assert body["usage"]["completion_tokens"] == 48 and body["choices"][0]["finish_reason"] == "length"
+    # Greedy: the same text streamed and not.
+    assert body["choices"][0]["message"]["content"] == "".join(d for d in deltas if d)
+
+
+def test_closing_a_stream_cancels_it(srv: Server) -> None:
+    before = srv.worker(MODEL)["stats"] or {}
+    asked = N_CTX - 100
+    with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=_body(asked), timeout=120) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+    w = srv.wait_worker(lambda w: bool(w["stats"]) and w["stats"]["requests_cancelled"]
+                        > before.get("requests_cancelled", 0) and not w["stats"]["busy"], MODEL, timeout=60)
+    # Far fewer than were asked for were made.
+    assert w["stats"]["tokens_generated"] - before.get("tokens_generated", 0) < asked // 2
+
+
+def test_a_short_request_runs_beside_a_long_stream(srv: Server) -> None:
+    url = srv.base_url + "/v1/chat/completions"
+
+    async def run() -> tuple[int, int, bool]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            first, ended = asyncio.Event(), asyncio.Event()
+
+            async def long() -> None:
+                async with c.stream("POST", url, json=_body(N_CTX - 64, "Tell me about fish")) as resp:
+                    async for line in resp.aiter_lines():
+                        first.set()
+                        if any(ch["choices"] and ch["choices"][0]["finish_reason"] for ch in _chunks([line])):
+                            ended.set()
+
+            reader = asyncio.create_task(long())
+            await asyncio.wait_for(first.wait(), 60)
+            short = await c.post(url, json={**_body(8, "hi"), "stream": False})
+            # A worker running one request at a time would answer only after
+            # the long stream's thousands of tokens: it runs on.
+            workers = (await c.get(srv.base_url + "/api/workers")).json()["workers"]
+            in_flight = next(w["in_flight"] for w in workers if w["model"] == MODEL)
+            reader.cancel()  # closing the long stream cancels it
+            return in_flight, short.json()["usage"]["completion_tokens"], ended.is_set()
+
+    in_flight, short_tokens, long_ended = asyncio.run(run())
+    assert (in_flight, short_tokens, long_ended) == (1, 8, False)
+
+
+def test_logprobs(srv: Server) -> None:
+    body = {**_body(4), "stream": False, "logprobs": True, "top_logprobs": 2}
+    r = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    for token in content:
+        assert token["logprob"] <= 0 and len(token["top_logprobs"]) == 2
+        assert token["top_logprobs"][0]["logprob"] >= token["top_logprobs"][1]["logprob"]
+
+
+def test_json_schema_output_is_strict_json(srv: Server) -> None:
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}},
+              "required": ["colour"], "additionalProperties": False}
+    body = {**_body(40), "stream": False, "ignore_eos": False, "temperature": 1.0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}}}
+    for seed in range(3):
+        r = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "seed": seed}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert json.loads(r.json()["choices"][0]["message"]["content"])["colour"] in ("red", "blue")
+
+
+def test_last_the_engine_processes_die_with_the_parent(srv: Server) -> None:
+    """(Last in this module: it kills the module's server.) vLLM's engine core
+    is the worker's child: a SIGKILLed parent leaves none of them behind."""
+    worker = psutil.Process(int(srv.worker(MODEL)["pid"]))
+    tree = [worker, *worker.children(recursive=True)]
+    assert any("EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()) for p in tree[1:]), tree
+    srv.stop(signal.SIGKILL)
+    gone, alive = psutil.wait_procs(tree, timeout=30)
+    assert not alive, alive

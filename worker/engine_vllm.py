@@ -1,0 +1,344 @@
+"""The vLLM engine: a Hugging Face model dir (kind ``hf``) served by vLLM's
+``AsyncLLM``. Imported only by a worker started with ``--engine vllm``, from
+the vLLM environment (``make install-vllm``), so torch never enters a
+llama.cpp worker.
+
+Threads (worker/engine_api.py says why): ``AsyncLLM`` lives on its own
+asyncio loop in one dedicated thread, started at load and stopped in
+:meth:`VllmEngine.close`. A request thread renders and tokenizes its prompt,
+submits one coroutine to that loop and blocks until the coroutine has sent
+the request's last message. A cancel sets the request's event; one sweeper
+task on the engine's loop looks at the events of the requests in flight
+every few milliseconds and cancels their tasks, and vLLM aborts a request
+whose stream is cancelled (also in its prefill). The worker's own loop never
+waits on the engine's.
+
+Memory: vLLM gets an exact KV cache budget (``kv_cache_memory_bytes``), the
+pages of ``n_ctx`` tokens for each of the ``parallel`` sequences, never its
+default share of the device (90 % of a GPU, or of RAM on the CPU build).
+The parent's fit (supervisor/models/hf_fit.py) sizes the same budget.
+
+What this engine does not do yet, and says so: embeddings, images,
+speculative decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+from worker.chat_template import ChatRenderer, TemplateError
+from worker.engine_api import Counters, Emit, EngineApi, EngineOptions, LoadError
+from worker.images import ImageError, check_images, placements
+from worker.protocol import Delta, Done, Error, Generate, ModelFacts, Started
+from worker.vllm_params import MAX_LOGPROBS, logprobs, lora_rank, sampling
+
+# vLLM spawns its engine core process; fork would copy our threads' state.
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
+from vllm.exceptions import VLLMClientError  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
+
+log = logging.getLogger("gpuvisor.worker")
+T = TypeVar("T")
+# How often the sweeper looks for cancelled requests.
+CANCEL_SWEEP_S = 0.005
+# Exit code when vLLM's engine core died: a crash, the parent restarts us.
+EXIT_ENGINE_DEAD = 70
+Finish = Literal["stop", "length", "cancelled"]
+_FINISH: dict[str, Finish] = {"stop": "stop", "length": "length", "abort": "cancelled"}
+
+
+def load(opts: EngineOptions) -> EngineApi:
+    """This engine's entry in the registry (worker/engine_api.py)."""
+    return VllmEngine(opts)
+
+
+class _Loop:
+    """An asyncio loop running in its own thread, owned by the engine."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.submit(coro).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class _GroupReaper:
+    """Kills this worker's process group once the parent is gone.
+
+    vLLM's engine-core process does not watch us: when the parent dies, the
+    worker exits at its stdin's EOF (worker/server.py) and the engine core
+    would live on, orphaned. This small process shares our stdin (the
+    parent's end, written by nobody) and our process group; at the EOF it
+    kills the whole group, itself included. While the parent lives, it kills
+    the group whenever the worker ends (supervisor/workers/process.py).
+    """
+
+    CODE = ("import os, signal\n"
+            "while os.read(0, 65536):\n"
+            "    pass\n"
+            "os.killpg(os.getpgrp(), signal.SIGKILL)\n")
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        if not self.wanted():
+            return
+        self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", self.CODE],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    @staticmethod
+    def wanted() -> bool:
+        """Only in a worker as the parent starts it: leading its own process
+        group, its stdin the parent's pipe. Elsewhere (the engine loaded in
+        a script, stdin a terminal or /dev/null) the group is not ours to kill."""
+        try:
+            mode = os.fstat(0).st_mode
+        except OSError:
+            return False
+        return os.getpgrp() == os.getpid() and (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode))
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class _Request:
+    """One generation in flight on the engine's loop."""
+
+    req: Generate
+    emit: Emit
+    cancelled: threading.Event
+    prompt_ids: list[int]
+    params: Any  # vLLM's SamplingParams
+    lora: LoRARequest | None
+    ended: threading.Event = field(default_factory=threading.Event)
+    task: asyncio.Task[None] | None = None
+    started_at: float = field(default_factory=time.perf_counter)
+
+
+def kv_budget(vllm_config: Any, n_ctx: int, parallel: int) -> int:
+    """Bytes of KV pages for ``parallel`` sequences of ``n_ctx`` tokens, from
+    vLLM's own view of the model (layers, KV heads, head size, dtype)."""
+    model = vllm_config.model_config
+    block = int(vllm_config.cache_config.block_size or 16)
+    layers = model.get_num_layers(vllm_config.parallel_config)
+    per_token = 2 * layers * model.get_num_kv_heads(vllm_config.parallel_config) * model.get_head_size()
+    pages = -(-n_ctx // block) * block * max(1, parallel)
+    return int(per_token * model.dtype.itemsize * pages)
+
+
+class VllmEngine:
+    """vLLM's AsyncLLM holding one model; an ``EngineApi``."""
+
+    def __init__(self, opts: EngineOptions) -> None:
+        if opts.embedding:
+            raise LoadError("the vllm engine serves generation only; embeddings are not served by it yet")
+        self.opts = opts
+        self.counters = Counters()
+        self._ids = itertools.count(1)
+        self._active: dict[int, _Request] = {}
+        self._busy: asyncio.Event | None = None  # set while requests are in flight (the sweeper's)
+        self._tok_lock = threading.Lock()
+        self._loras = {path: LoRARequest(f"adapter-{i}", i, path) for i, path in enumerate(opts.lora, 1)}
+        self._reaper = _GroupReaper()
+        self._loop = _Loop()
+        try:
+            self.llm, self.kv_bytes = self._loop.run(self._start(self._engine_args(opts)))
+        except (RuntimeError, ValueError, OSError, VLLMClientError) as exc:
+            self._loop.stop()
+            self._reaper.stop()
+            raise LoadError(f"cannot load {opts.model_path} with vLLM: {exc}") from exc
+        self._sweeper = self._loop.submit(self._sweep())
+        self.tokenizer = self.llm.get_tokenizer()
+        template = getattr(self.tokenizer, "chat_template", None)
+        template = template if isinstance(template, str) else None
+        self.renderer = ChatRenderer(template, str(self.tokenizer.bos_token or ""),
+                                     str(self.tokenizer.eos_token or ""))
+        model = self.llm.model_config
+        self.n_ctx = int(model.max_model_len)
+        self.facts = ModelFacts(
+            path=opts.model_path, n_ctx=self.n_ctx,
+            n_ctx_train=int(getattr(model.hf_text_config, "max_position_embeddings", self.n_ctx)),
+            n_vocab=int(model.get_vocab_size()), has_chat_template=template is not None,
+            embedding=False, chat_template=template, adapters=list(self._loras),
+        )
+        log.info("vLLM engine ready: max_model_len %d, %d sequences, KV cache budget %d bytes",
+                 self.n_ctx, opts.parallel, self.kv_bytes)
+
+    @staticmethod
+    def _engine_args(opts: EngineOptions) -> AsyncEngineArgs:
+        ranks = [lora_rank(p) for p in opts.lora]
+        return AsyncEngineArgs(
+            model=opts.model_path, max_model_len=opts.n_ctx, max_num_seqs=max(1, opts.parallel),
+            # CUDA graphs take minutes to capture on the CPU build and buy nothing there.
+            enforce_eager=current_platform.is_cpu(), seed=0, disable_log_stats=True,
+            # Sampling defaults come from our request, never the model's generation_config.json.
+            generation_config="vllm", max_logprobs=MAX_LOGPROBS,
+            enable_lora=bool(opts.lora), max_loras=max(1, len(opts.lora)),
+            max_lora_rank=max([16, *ranks]),
+        )
+
+    @staticmethod
+    async def _start(args: AsyncEngineArgs) -> tuple[Any, int]:
+        """AsyncLLM on this loop, with our exact KV budget (vLLM's engine
+        config first, for its block size and its view of the model)."""
+        config = args.create_engine_config()
+        budget = kv_budget(config, args.max_model_len, args.max_num_seqs or 1)
+        config.cache_config.kv_cache_memory_bytes = budget
+        return AsyncLLM.from_vllm_config(config, disable_log_stats=True), budget
+
+    # ---------------------------------------------------------- requests
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        with self._tok_lock:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special))
+
+    def _prompt(self, req: Generate) -> tuple[list[int], list[str]]:
+        """Token ids and extra stop strings. A rendered chat prompt carries its
+        own special tokens (as with transformers' apply_chat_template)."""
+        if req.images or (req.messages is not None and placements(req) > 0):
+            check_images(req, vision=False, audio=False,
+                         why="the vllm engine serves text only for now")
+        if req.messages is not None:
+            try:
+                text = self.renderer.render(req.messages, req.tools, req.template_vars)
+            except ValueError as exc:
+                raise TemplateError(str(exc)) from exc
+            return self.tokenize(text, add_special=False), self.renderer.extra_stops
+        return self.tokenize(req.prompt or "", add_special=True), []
+
+    def generate(self, req: Generate, emit: Emit, cancelled: threading.Event) -> None:
+        try:
+            ids, extra_stops = self._prompt(req)
+            lora = self._lora(req)
+        except ImageError as exc:
+            emit(exc.reply(req.id))
+            return
+        except TemplateError as exc:
+            emit(Error(req.id, "template_error", str(exc)))
+            return
+        except _AdapterMissing as exc:
+            emit(Error(req.id, "adapter_unavailable", str(exc)))
+            return
+        if len(ids) >= self.n_ctx:
+            emit(Error(req.id, "context_length_exceeded",
+                       f"the prompt has {len(ids)} tokens; the model's context is {self.n_ctx}"))
+            return
+        room = self.n_ctx - len(ids)
+        max_tokens = room if req.params.max_tokens is None else min(req.params.max_tokens, room)
+        try:
+            params = sampling(req.params, max_tokens=max(1, max_tokens), stops=[*req.params.stop, *extra_stops])
+        except ValueError as exc:
+            emit(Error(req.id, "invalid_grammar", f"cannot build the output constraint: {exc}"))
+            return
+        run = _Request(req, emit, cancelled, ids, params, lora)
+        self._loop.submit(self._run(run))
+        run.ended.wait()
+
+    def _lora(self, req: Generate) -> LoRARequest | None:
+        if not req.adapter:
+            return None
+        lora = self._loras.get(req.adapter)
+        if lora is None:
+            raise _AdapterMissing(f"this worker holds no adapter {req.adapter}")
+        return lora
+
+    async def _run(self, run: _Request) -> None:
+        run.task = asyncio.current_task()
+        self._active[run.req.id] = run
+        if self._busy is not None:
+            self._busy.set()
+        try:
+            await self._stream(run)
+        finally:
+            self._active.pop(run.req.id, None)
+            run.ended.set()
+
+    async def _stream(self, run: _Request) -> None:
+        req, emit = run.req, run.emit
+        rid = f"{req.request_id or 'req'}-{next(self._ids)}"
+        generated = cached = 0
+        finish: Finish = "length"
+        first_at: float | None = None
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=run.prompt_ids), run.params,
+                                               rid, lora_request=run.lora):
+                if first_at is None:
+                    first_at = time.perf_counter()
+                    emit(Started(req.id, len(run.prompt_ids)))
+                comp = out.outputs[0]
+                ids = list(comp.token_ids)
+                cached = int(out.num_cached_tokens or 0)
+                if comp.text or ids:
+                    probs = None if req.params.logprobs is None else logprobs(ids, comp.logprobs, req.params.logprobs)
+                    emit(Delta(req.id, comp.text, len(ids), probs))
+                    generated += len(ids)
+                if comp.finish_reason:
+                    finish = _FINISH.get(comp.finish_reason, "stop")
+        except asyncio.CancelledError:
+            finish = "cancelled"  # vLLM aborted the request as its stream was cancelled
+        except EngineDeadError:
+            log.critical("vLLM's engine core died; the worker exits for the parent to restart it")
+            os._exit(EXIT_ENGINE_DEAD)
+        except (VLLMClientError, ValueError) as exc:
+            code = "invalid_grammar" if run.params.structured_outputs is not None else "invalid_request"
+            emit(Error(req.id, code if first_at is None else "engine_error", str(exc)))
+            return
+        now = time.perf_counter()
+        first = first_at if first_at is not None else now
+        self.counters.count(finish, generated)
+        emit(Done(req.id, finish, len(run.prompt_ids), generated, cached, first - run.started_at, now - first))
+
+    async def _sweep(self) -> None:
+        """Cancel the tasks of requests whose cancel event is set; idle while none are in flight."""
+        self._busy = asyncio.Event()
+        while True:
+            if not self._active:
+                self._busy.clear()
+                await self._busy.wait()
+            await asyncio.sleep(CANCEL_SWEEP_S)
+            for run in list(self._active.values()):
+                if run.cancelled.is_set() and run.task is not None and not run.task.cancelling():
+                    run.task.cancel()
+
+    def embed(self, inputs: list[str]) -> tuple[list[list[float]], int]:
+        raise LoadError("the vllm engine does not serve embeddings yet")
+
+    def close(self) -> None:
+        """Stop the sweeper, vLLM's engine core process, the loop thread and the reaper."""
+        self._sweeper.cancel()
+        self._loop.loop.call_soon_threadsafe(self.llm.shutdown)
+        self._loop.stop()
+        self._reaper.stop()
+
+
+class _AdapterMissing(Exception):
+    """A request names an adapter this worker does not hold."""
