@@ -29,11 +29,12 @@ def test_the_allowlist() -> None:
               "OMP_NUM_THREADS": "2", "PYTHONPATH": "/src", "HF_HOME": "/hf", "HF_HUB_OFFLINE": "1",
               "GPUVISOR_ADMIN_TOKEN": ADMIN, "GPUVISOR_HF_TOKEN": HF_SETTING, "HF_TOKEN": HF_ENV,
               "HUGGING_FACE_HUB_TOKEN": HF_ENV, "HF_HUB_TOKEN": HF_ENV, "AWS_SECRET_ACCESS_KEY": "x",
-              "NOTIFY_SOCKET": "/run/systemd/notify", "SSH_AUTH_SOCK": "/tmp/agent"}
+              "NOTIFY_SOCKET": "/run/systemd/notify", "SSH_AUTH_SOCK": "/tmp/agent",
+              "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_API_KEY": "x"}
     env = child_environ(parent)
     assert set(env) == {"PATH", "HOME", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
                         "GGML_CUDA_NO_PINNED", "LLAMA_ARG_X", "OMP_NUM_THREADS", "PYTHONPATH", "HF_HOME",
-                        "HF_HUB_OFFLINE"}
+                        "HF_HUB_OFFLINE", "VLLM_CPU_OMP_THREADS_BIND"}
     extra = {"HF_TOKEN": HF_SETTING, "HF_HUB_CACHE": "/cache"}
     assert job_environ("download", parent, extra)["HF_TOKEN"] == HF_SETTING
     assert job_environ("download", parent, {})["HF_TOKEN"] == HF_ENV

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import psutil
 import pytest
 
@@ -27,10 +28,13 @@ VLLM_PYTHON = default_vllm_python()
 if not VLLM_PYTHON:
     pytest.skip("no vLLM environment (make install-vllm)", allow_module_level=True)
 
+from tests.lora_support import random_adapter  # noqa: E402
 from tests.tiny_hf import build_vllm_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-vllm"
+# A PEFT adapter dir beside its base: served as MODEL:ADAPTER by the same worker.
+ADAPTER = "tiny-lora"
 # Long enough that a stream cancelled after its first chunk cannot have ended by itself.
 N_CTX = 16384
 
@@ -39,6 +43,8 @@ N_CTX = 16384
 def srv() -> Iterator[Server]:
     models = short_tempdir("gvv")
     build_vllm_model(models / MODEL, max_position_embeddings=N_CTX)
+    # Rank 20: vLLM's max_lora_rank takes a few values only (16, 32, ...); the worker must pick 32.
+    random_adapter(models / MODEL, models / ADAPTER, seed=1, r=20, alpha=40)
     env = {"GPUVISOR_VLLM_PYTHON": VLLM_PYTHON, "GPUVISOR_PARALLEL": "2", "GPUVISOR_N_CTX": str(N_CTX)}
     with running(Server(models, env=env, model=MODEL)) as server:
         r = httpx.post(f"{server.base_url}/api/models/{MODEL}/load", timeout=300)
@@ -146,6 +152,88 @@ def test_json_schema_output_is_strict_json(srv: Server) -> None:
         r = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "seed": seed}, timeout=120)
         assert r.status_code == 200, r.text
         assert json.loads(r.json()["choices"][0]["message"]["content"])["colour"] in ("red", "blue")
+
+
+WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                                "unit": {"type": "string", "enum": ["c", "f"]}},
+                "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": WEATHER_ARGS}}
+
+
+def _sse_events(r: httpx.Response) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_responses_answers_streamed_and_not(srv: Server) -> None:
+    body = {"model": MODEL, "input": "What colour is the sky?", "max_output_tokens": 12, "temperature": 0}
+    r = httpx.post(srv.base_url + "/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    done = r.json()
+    assert done["status"] == "incomplete" and done["incomplete_details"]["reason"] == "max_output_tokens", done
+    [message] = [item for item in done["output"] if item["type"] == "message"]
+    text = "".join(part["text"] for part in message["content"] if part["type"] == "output_text")
+    assert text and done["usage"]["output_tokens"] == 12
+    with httpx.stream("POST", srv.base_url + "/v1/responses", json={**body, "stream": True}, timeout=120) as s:
+        assert s.status_code == 200
+        events = _sse_events(s)
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete", kinds
+    streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert streamed == text  # greedy: the same text both ways
+    # Stored: the response reads back by id.
+    back = httpx.get(f"{srv.base_url}/v1/responses/{done['id']}", timeout=10)
+    assert back.status_code == 200 and back.json()["output"] == done["output"]
+
+
+def test_a_required_tool_call_has_arguments_that_validate(srv: Server) -> None:
+    # The parent renders the prompt and forces the call with its grammar (the
+    # tiny template has no tools: the generic format); vLLM enforces it. The
+    # tiny vocab spells JSON nearly a byte a token: a call takes about 80.
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER],
+            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 200, "temperature": 1.0}
+    for seed in range(2):
+        r = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "seed": seed}, timeout=120)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER_ARGS)
+    # The same through the Responses API, streamed: a function_call item.
+    tool = {"type": "function", **WEATHER["function"]}  # type: ignore[dict-item]
+    rbody = {"model": MODEL, "input": "Weather in Oslo?", "tools": [tool], "tool_choice": "required",
+             "parallel_tool_calls": False, "max_output_tokens": 200, "stream": True}
+    with httpx.stream("POST", srv.base_url + "/v1/responses", json=rbody, timeout=120) as s:
+        assert s.status_code == 200
+        events = _sse_events(s)
+    final = events[-1]
+    assert final["type"] == "response.completed", final
+    [item] = final["response"]["output"]
+    assert item["type"] == "function_call" and item["name"] == "get_weather", item
+    jsonschema.validate(json.loads(item["arguments"]), WEATHER_ARGS)
+
+
+def test_a_peft_adapter_is_served_on_its_base(srv: Server) -> None:
+    pair = f"{MODEL}:{ADAPTER}"
+    models = {m["id"]: m for m in httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"]}
+    assert models[pair]["parent"] == MODEL and models[pair]["state"] == "ready", models.get(pair)
+    pid = srv.worker(MODEL)["pid"]
+
+    def answer(model: str, **extra: Any) -> httpx.Response:
+        return httpx.post(srv.base_url + "/v1/chat/completions",
+                          json={**_body(24), "stream": False, "model": model, **extra}, timeout=120)
+
+    base, adapted = answer(MODEL), answer(pair)
+    assert base.status_code == 200 and adapted.status_code == 200, adapted.text
+    text = [r.json()["choices"][0]["message"]["content"] for r in (base, adapted)]
+    assert text[0] != text[1], text  # greedy both: the adapter changed the output
+    assert answer(pair).json()["choices"][0]["message"]["content"] == text[1]
+    # Scale 0 is the base alone; vLLM has no other scale than the adapter as trained.
+    assert answer(pair, lora_scale=0).json()["choices"][0]["message"]["content"] == text[0]
+    refused = answer(pair, lora_scale=0.5)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_request", refused.text
+    assert srv.worker(MODEL)["pid"] == pid  # served by the one worker, never reloaded
 
 
 def test_last_the_engine_processes_die_with_the_parent(srv: Server) -> None:

@@ -19,7 +19,8 @@ default share of the device (90 % of a GPU, or of RAM on the CPU build).
 The parent's fit (supervisor/models/hf_fit.py) sizes the same budget.
 
 What this engine does not do yet, and says so: embeddings, images,
-speculative decoding.
+speculative decoding, and a LoRA adapter at a ``lora_scale`` other than 1
+(vLLM applies an adapter as trained; 0 runs the base alone).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from worker.chat_template import ChatRenderer, TemplateError
 from worker.engine_api import Counters, Emit, EngineApi, EngineOptions, LoadError
 from worker.images import ImageError, check_images, placements
 from worker.protocol import Delta, Done, Error, Generate, ModelFacts, Started
-from worker.vllm_params import MAX_LOGPROBS, logprobs, lora_rank, sampling
+from worker.vllm_params import MAX_LOGPROBS, logprobs, lora_rank, max_lora_rank, sampling
 
 # vLLM spawns its engine core process; fork would copy our threads' state.
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -203,7 +204,7 @@ class VllmEngine:
             # Sampling defaults come from our request, never the model's generation_config.json.
             generation_config="vllm", max_logprobs=MAX_LOGPROBS,
             enable_lora=bool(opts.lora), max_loras=max(1, len(opts.lora)),
-            max_lora_rank=max([16, *ranks]),
+            max_lora_rank=max_lora_rank(ranks),
         )
 
     @staticmethod
@@ -248,6 +249,9 @@ class VllmEngine:
         except _AdapterMissing as exc:
             emit(Error(req.id, "adapter_unavailable", str(exc)))
             return
+        except _AdapterScale as exc:
+            emit(Error(req.id, "invalid_request", str(exc)))
+            return
         if len(ids) >= self.n_ctx:
             emit(Error(req.id, "context_length_exceeded",
                        f"the prompt has {len(ids)} tokens; the model's context is {self.n_ctx}"))
@@ -269,6 +273,12 @@ class VllmEngine:
         lora = self._loras.get(req.adapter)
         if lora is None:
             raise _AdapterMissing(f"this worker holds no adapter {req.adapter}")
+        # vLLM applies an adapter as trained: no per-request scale but none at all.
+        if req.adapter_scale == 0.0:
+            return None
+        if req.adapter_scale != 1.0:
+            raise _AdapterScale(f"the vllm engine applies a LoRA adapter at lora_scale 1 (or 0: the base "
+                                f"alone), not {req.adapter_scale:g}")
         return lora
 
     async def _run(self, run: _Request) -> None:
@@ -342,3 +352,7 @@ class VllmEngine:
 
 class _AdapterMissing(Exception):
     """A request names an adapter this worker does not hold."""
+
+
+class _AdapterScale(Exception):
+    """A request asks for an adapter scale vLLM cannot apply."""

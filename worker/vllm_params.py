@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
+from vllm.config.lora import MaxLoRARanks
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.sampling_params import SamplingParams as VllmSampling
 
@@ -89,3 +90,13 @@ def lora_rank(adapter_dir: str) -> int:
         return 0
     rank = config.get("r") if isinstance(config, dict) else None
     return rank if isinstance(rank, int) and rank > 0 else 0
+
+
+def max_lora_rank(ranks: list[int]) -> int:
+    """vLLM's ``max_lora_rank`` for adapters of ``ranks``: the least it allows
+    (16 at least, its default) that holds them all. vLLM takes only a few
+    values; an adapter of rank 20 asks for 32, not 20 (which it refuses, and
+    the base would not load)."""
+    allowed = sorted(int(r) for r in get_args(MaxLoRARanks))
+    need = max([16, *ranks])
+    return next((r for r in allowed if r >= need), need)  # above all: vLLM says why at load

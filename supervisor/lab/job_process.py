@@ -45,14 +45,16 @@ CHILD_ENV_NAMES = frozenset({
 CHILD_ENV_PREFIXES = (
     "LC_",
     "CUDA_", "NVIDIA_", "HIP_", "ROCR_", "HSA_",  # device selection and driver knobs
-    "GGML_", "LLAMA_",  # the engine's own settings
+    "GGML_", "LLAMA_",  # the llama.cpp engine's own settings
+    "VLLM_",  # the vLLM engine's own settings (VLLM_CPU_OMP_THREADS_BIND, VLLM_ATTENTION_BACKEND, ...)
     "OMP_", "MKL_", "OPENBLAS_",  # threading
     "PYTHON",  # PYTHONPATH and the like: what it takes to run at all
     "PYTORCH_", "TORCH_",  # fine-tuning
     "HF_HUB_", "HF_DATASETS_",  # download and cache behaviour (HF_HUB_OFFLINE, HF_HUB_CACHE)
 )
 # Never inherited, whatever the prefix says.
-_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
+# API_KEY: vLLM's own server reads VLLM_API_KEY, which no worker needs.
+_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "CREDENTIAL", "API_KEY")
 HF_TOKEN = "HF_TOKEN"
 # Kinds that talk to the Hugging Face Hub; only they get the token.
 HF_TOKEN_KINDS = frozenset({"download"})

@@ -32,6 +32,8 @@ A GGUF LoRA adapter (``general.type = adapter``) is no model: it is listed
 apart (:meth:`ModelLibrary.adapters`) and linked to the base models it fits
 (supervisor/models/adapters.py); each base entry holds its fitting adapters,
 and each pair is served as ``<base id>:<adapter id>`` (:meth:`ModelLibrary.pair`).
+A PEFT adapter dir is linked the same way to the Hugging Face model it names
+(supervisor/models/peft_adapters.py), served by vLLM.
 """
 
 from __future__ import annotations
@@ -55,11 +57,12 @@ from jobs.gguf_names import (
     is_temporary_name,
     pick_projector,
 )
-from supervisor.models import library_watch
+from supervisor.models import library_watch, peft_adapters
 from supervisor.models.adapters import (
     AdapterEntry,
     AdapterLink,
     AdapterLinker,
+    AdapterRef,
 )
 from supervisor.models.entry import ModelEntry as ModelEntry
 from supervisor.models.gguf_info import GgufError, GgufInfo, read_gguf_info
@@ -165,17 +168,38 @@ class ModelLibrary:
                 self._add(entries, entry)
             for entry in self._scan_hf_cache():
                 self._add(entries, entry)
+            peft = peft_adapters.scan(self.model_dirs, entries, self._settled, pending, seen)
             self._pending = pending
             alive = seen | {f for e in entries.values() for f in e.files}
             self._looks = {p: v for p, v in self._looks.items() if p in seen}
             self._headers = {p: v for p, v in self._headers.items() if p in alive}
             entries, adapters = self._linker.split(entries, alive)
+            entries, adapters = self._with_peft(entries, adapters, peft)
             if entries != self._entries or adapters != self._adapters:
                 self._entries = entries
                 self._adapters = adapters
                 self._pairs = {lk.id: (lk, a) for a in adapters.values() for lk in a.links}
                 self._version += 1
                 self._signal()
+
+    @staticmethod
+    def _with_peft(entries: dict[str, ModelEntry], adapters: dict[str, AdapterEntry],
+                   found: dict[str, AdapterEntry]) -> tuple[dict[str, ModelEntry], dict[str, AdapterEntry]]:
+        """The PEFT adapter dirs (supervisor/models/peft_adapters.py) added to
+        the adapters, and each to the ``hf`` base it fits."""
+        refs: dict[str, builtins.list[AdapterRef]] = {}
+        for adapter in found.values():
+            if adapter.id in adapters:
+                log.warning("adapter id %s: %s is shadowed by %s", adapter.id, adapter.path,
+                            adapters[adapter.id].path)
+                continue
+            adapters[adapter.id] = adapter
+            for lk in adapter.links:
+                refs.setdefault(lk.base, []).append(
+                    AdapterRef(id=adapter.id, path=adapter.path, size_bytes=adapter.size_bytes))
+        for base, more in refs.items():
+            entries[base] = msgspec.structs.replace(entries[base], adapters=[*entries[base].adapters, *more])
+        return entries, adapters
 
     def _signal(self) -> None:
         loop = self._loop
