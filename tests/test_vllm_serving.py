@@ -114,8 +114,11 @@ def test_a_short_request_runs_beside_a_long_stream(srv: Server) -> None:
             async def long() -> None:
                 async with c.stream("POST", url, json=_body(N_CTX - 64, "Tell me about fish")) as resp:
                     async for line in resp.aiter_lines():
-                        first.set()
-                        if any(ch["choices"] and ch["choices"][0]["finish_reason"] for ch in _chunks([line])):
+                        chunks = _chunks([line])
+                        # Its first token, not a keepalive comment sent before the engine took it.
+                        if any(ch["choices"] and ch["choices"][0]["delta"].get("content") for ch in chunks):
+                            first.set()
+                        if any(ch["choices"] and ch["choices"][0]["finish_reason"] for ch in chunks):
                             ended.set()
 
             reader = asyncio.create_task(long())
