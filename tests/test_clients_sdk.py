@@ -336,7 +336,7 @@ def test_background_events_survive_a_restart(capture: Capture, start_server: Cal
     server = start_server(models, env={"GPUVISOR_N_CTX": "16384"})
     client = capture.client(server.base_url)
     stream = client.responses.create(model=server.model, input="go", background=True, stream=True,
-                                     max_output_tokens=16_000, extra_body={"ignore_eos": True})
+                                     max_output_tokens=100_000, extra_body={"ignore_eos": True})
     # Long enough for a few batches of events to be stored.
     started = time.monotonic()
     seen = []

@@ -99,7 +99,7 @@ def _add_key(state: Path, name: str) -> str:
 
 
 def _body(text: str) -> dict[str, object]:
-    return {"model": "tiny", "max_tokens": 2000, "ignore_eos": True, "temperature": 0,
+    return {"model": "tiny", "max_tokens": 15000, "ignore_eos": True, "temperature": 0,
             "messages": [{"role": "user", "content": text}]}
 
 

@@ -117,7 +117,7 @@ def slow_restart(tiny_model_path: Path, start_server: Callable[..., Server]) -> 
 def test_native_crash_while_decoding_is_explained(slow_restart: Server) -> None:
     srv = slow_restart
     pid = srv.wait_worker(lambda w: w["state"] == "ready")["pid"]
-    body = {"model": srv.model, "stream": True, "max_tokens": 2000, "ignore_eos": True, "temperature": 0,
+    body = {"model": srv.model, "stream": True, "max_tokens": 15000, "ignore_eos": True, "temperature": 0,
             "messages": [{"role": "user", "content": "go on forever"}]}
     events: list[dict[str, Any]] = []
     with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=body, timeout=30) as resp:

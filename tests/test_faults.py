@@ -211,7 +211,7 @@ def test_worker_sigkill_at_random_moments_long(kill_server: Server, request: pyt
 def test_frozen_worker_fails_the_stream_and_is_replaced(kill_server: Server) -> None:
     srv = kill_server
     pid = srv.worker()["pid"]
-    body = {"model": srv.model, "stream": True, "max_tokens": 2000, "ignore_eos": True,
+    body = {"model": srv.model, "stream": True, "max_tokens": 3000, "ignore_eos": True,
             "messages": [{"role": "user", "content": "go"}]}
     last = ""
     t0 = 0.0

@@ -59,7 +59,7 @@ def test_with_one_slot_the_busy_model_is_never_evicted(two_models: Path,
         async with httpx.AsyncClient(timeout=60) as c:
             states: list[str] = []
             async with c.stream("POST", url, json={
-                    "model": "alpha", "stream": True, "max_tokens": 2000, "ignore_eos": True,
+                    "model": "alpha", "stream": True, "max_tokens": 3000, "ignore_eos": True,
                     "messages": [{"role": "user", "content": "long"}]}) as stream:
                 lines = stream.aiter_lines()
                 await anext(lines)

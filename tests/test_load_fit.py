@@ -31,7 +31,7 @@ def _busy(srv: Server, model: str) -> Iterator[None]:
     streaming = threading.Event()
 
     def run() -> None:
-        body = {"model": model, "stream": True, "max_tokens": 2000, "ignore_eos": True,
+        body = {"model": model, "stream": True, "max_tokens": 3000, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "go on"}]}
         with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
             for _ in r.iter_lines():

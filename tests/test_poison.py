@@ -67,7 +67,7 @@ def test_a_repeated_suspect_is_poison_and_its_crashes_count_once() -> None:
 
 
 def _body(text: str) -> dict[str, object]:
-    return {"model": "tiny", "max_tokens": 2000, "ignore_eos": True, "temperature": 0,
+    return {"model": "tiny", "max_tokens": 15000, "ignore_eos": True, "temperature": 0,
             "messages": [{"role": "user", "content": text}]}
 
 

@@ -35,7 +35,7 @@ class StreamReader(threading.Thread):
         self.ended_at = 0.0
 
     def run(self) -> None:
-        body = {"model": self.srv.model, "stream": True, "max_tokens": 2000, "ignore_eos": True,
+        body = {"model": self.srv.model, "stream": True, "max_tokens": 15000, "ignore_eos": True,
                 "temperature": 0, "messages": [{"role": "user", "content": "go on"}]}
         with httpx.stream("POST", self.srv.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
@@ -200,10 +200,10 @@ def test_ctrl_c_says_what_it_waits_for_and_streams_end_complete(
     srv = start_server(_models(tiny_model_path), env={"GPUVISOR_N_CTX": "65536", "GPUVISOR_SHUTDOWN_TIMEOUT": "1",
                                                       "GPUVISOR_PARALLEL": "2"})
     chat = RawStream(srv, "/v1/chat/completions", {
-        "model": srv.model, "stream": True, "max_tokens": 2000, "ignore_eos": True,
+        "model": srv.model, "stream": True, "max_tokens": 60000, "ignore_eos": True,
         "messages": [{"role": "user", "content": "go on"}]})
     responses = RawStream(srv, "/v1/responses", {
-        "model": srv.model, "stream": True, "max_output_tokens": 2000, "ignore_eos": True, "input": "go on"})
+        "model": srv.model, "stream": True, "max_output_tokens": 60000, "ignore_eos": True, "input": "go on"})
     for reader in (chat, responses):
         reader.start()
         assert reader.started.wait(30)

@@ -28,7 +28,7 @@ def _models(tiny_model_path: Path, *extra: tuple[str, bytes]) -> Path:
     return models
 
 
-def _long_stream_body(model: str, max_tokens: int = 2000) -> dict[str, object]:
+def _long_stream_body(model: str, max_tokens: int = 15000) -> dict[str, object]:
     return {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "messages": [{"role": "user", "content": "go on forever"}]}
 

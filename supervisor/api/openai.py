@@ -119,20 +119,18 @@ class Reply:
     """Model text -> pieces: parsed when the plan calls for it, else passed through."""
 
     def __init__(self, parser: StreamParser | None = None, forced_call: bool = False,
-                 logprobs: bool = False, prompt_field: str = "prompt", limit_field: str = "max_tokens") -> None:
+                 logprobs: bool = False, prompt_field: str = "prompt") -> None:
         self._parser = parser
         self.forced_call = forced_call
         self.prompt_field = prompt_field  # where a chat's prompt is: messages
-        self.limit_field = limit_field  # the field the token limit came in (max_completion_tokens)
         self.reasoning_tokens = 0
         self._logprobs = TextLogprobs() if logprobs else None
 
     @classmethod
-    def of(cls, plan: Plan, limit_field: str = "max_tokens") -> Reply:
+    def of(cls, plan: Plan) -> Reply:
         parses = bool(plan.tool_names) or plan.profile.thinks
         return cls(plan.parser() if parses else None, forced_call=plan.forced_call,
-                   logprobs=plan.params.logprobs is not None, prompt_field="messages",
-                   limit_field=limit_field)
+                   logprobs=plan.params.logprobs is not None, prompt_field="messages")
 
     def _with_logprobs(self, pieces: list[Piece], tokens: list[TokenLogprob] | None) -> Pieces:
         return pieces, self._logprobs.take(tokens, pieces) if self._logprobs is not None else None
@@ -154,8 +152,6 @@ class Reply:
             return exc
         if exc.cause is Blame.GRAMMAR:
             return exc.blaming("tool_choice" if self.forced_call else "response_format")
-        if exc.cause is Blame.OUTPUT_LIMIT:
-            return exc.blaming(self.limit_field)
         return exc.blaming(self.prompt_field)
 
 
@@ -269,13 +265,9 @@ async def _admit(stack: AsyncExitStack, pool: WorkerPool, model: str, reply: Cal
     error for the whole request; leaving the stack withdraws what is left."""
     choices = []
     for sampling in params:
-        answer = reply()
-        try:
-            outputs = await pool.admit(model, params=sampling, **kwargs)
-        except Rejected as exc:  # a token limit above the context
-            raise answer.in_chat_terms(exc) from exc
+        outputs = await pool.admit(model, params=sampling, **kwargs)
         stack.push_async_callback(outputs.aclose)
-        choices.append(_Choice(outputs, answer))
+        choices.append(_Choice(outputs, reply()))
     return choices
 
 
@@ -361,9 +353,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     enforce_format(schema, plan.params, facts, generic_answer=plan.may_answer, strict=req.schema_strict,
                    param="response_format.json_schema.schema", model=req.model)
     async with AsyncExitStack() as stack:
-        limit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        choices = await _admit(stack, pool, req.model, lambda: Reply.of(plan, limit_field),
-                               _choice_params(plan.params, req.n),
+        choices = await _admit(stack, pool, req.model, lambda: Reply.of(plan), _choice_params(plan.params, req.n),
                                messages=plan.messages, tools=plan.tools, template_vars=plan.template_vars,
                                request_id=request.get("request_id", ""), keep_alive=keep_alive,
                                images=images.data, lora_scale=req.lora_scale, caller=caller_of(request))

@@ -278,18 +278,15 @@ async def admit(pool: GenerationPool, model: str, plan: Plan, request_id: str = 
         extra["lora_scale"] = plan.lora_scale
     if caller:
         extra["caller"] = caller
-    try:
-        return await pool.admit(
-            model,
-            messages=plan.messages,
-            tools=plan.tools,
-            params=plan.params,
-            template_vars=plan.template_vars,
-            request_id=request_id,
-            **extra,
-        )
-    except Rejected as exc:  # max_output_tokens above the context
-        raise in_responses_terms(exc, plan) from exc
+    return await pool.admit(
+        model,
+        messages=plan.messages,
+        tools=plan.tools,
+        params=plan.params,
+        template_vars=plan.template_vars,
+        request_id=request_id,
+        **extra,
+    )
 
 
 def in_responses_terms(exc: BadRequest, plan: Plan) -> BadRequest:
@@ -299,8 +296,6 @@ def in_responses_terms(exc: BadRequest, plan: Plan) -> BadRequest:
     if exc.cause is Blame.GRAMMAR:
         # A grammar comes from the output format, else from a forced tool call.
         return exc.blaming("text.format" if plan.json_output else "tool_choice")
-    if exc.cause is Blame.OUTPUT_LIMIT:
-        return exc.blaming("max_output_tokens")
     return exc.blaming("input")
 
 

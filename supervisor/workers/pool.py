@@ -42,7 +42,7 @@ from supervisor.workers.handle import WorkerHandle, WorkerState
 from supervisor.workers.crash_keys import KeyCrashes, crash_counts
 from supervisor.workers.poison import PoisonTracker
 from supervisor.workers.queue import Pending, WorkerGone
-from supervisor.workers.replies import Blame, Generation, Rejected, as_api_error
+from supervisor.workers.replies import Generation, as_api_error
 from supervisor.workers.room import Room
 from supervisor.workers.spec import Timing
 from supervisor.workers.views import describe
@@ -76,8 +76,6 @@ class PoolConfig(Protocol):
     # refused (supervisor/workers/crash_keys.py); 0 = no refusal per caller.
     caller_crash_limit: int
     caller_crash_window_s: float
-    # Seconds a request may wait for a slot (0 = no limit): supervisor/workers/queue.py.
-    queue_timeout_s: float
 
     def model_settings(self, model_id: str) -> ModelSettings: ...
 
@@ -205,8 +203,7 @@ class WorkerPool:
                                       n_threads=self.cfg.n_threads, default_ctx=self.cfg.n_ctx,
                                       device=self.device, pinned=self.room.gpus is not None,
                                       vllm_python=self.cfg.vllm_python)
-        handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit, self._clock,
-                              queue_timeout=self.cfg.queue_timeout_s)
+        handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit, self._clock)
         handle.keep_alive = parse_duration(settings.keep_alive or 0)
         handle.crash_counts = lambda in_flight: crash_counts(self.poison, self.crash_keys, model_id, in_flight)
         self.handles[key] = handle
@@ -334,16 +331,15 @@ class WorkerPool:
         keep loaded) overrides how long the model stays loaded afterwards.
         ``lora_scale`` scales the adapter of a ``<base>:<adapter>`` model.
         ``caller`` is who asked (supervisor/api/callers.py): crashes are blamed on it.
-        The runaway guard applies here, to every API alike: a token limit
-        above the model's context is refused (``output_ceiling``), a request
-        with no token limit gets ``default_max_tokens``, and
-        ``request_timeout_s`` bounds how long it runs.
+        The runaway guard applies here, to every API alike: a request with no
+        token limit gets ``default_max_tokens``, and ``request_timeout_s``
+        bounds how long it runs.
         """
         route = await self._route(model, lora_scale)
         handle = await self.load(route.model)
         if keep_alive is not None:
             handle.keep_alive = keep_alive
-        params = output_ceiling(handle, model, params or p.SamplingParams())
+        params = params or p.SamplingParams()
         if params.max_tokens is None and self.cfg.default_max_tokens:
             params = msgspec.structs.replace(params, max_tokens=self.cfg.default_max_tokens)
         msg = p.Generate(0, params, messages, prompt, tools,
@@ -393,24 +389,3 @@ class WorkerPool:
     def readiness(self) -> dict[str, bool]:
         """Per model with a generation worker: does it serve chat and completions?"""
         return views.readiness(self.handles)
-
-
-def output_ceiling(handle: WorkerHandle, model: str, params: p.SamplingParams) -> p.SamplingParams:
-    """A token limit within the model's context: no request can write more
-    tokens than its slot holds, so a larger limit is a mistake (2^63 was
-    taken before). Once the worker's facts are in, it is refused (400, each
-    API naming its field: ``Blame.OUTPUT_LIMIT``); while the worker still
-    loads, it is clamped to the context the worker was started with, which
-    the engine will not exceed, so the request need not wait for the load."""
-    limit = params.max_tokens
-    if limit is None:
-        return params
-    facts = handle.facts
-    if facts is None:
-        ceiling = handle.spec.n_ctx
-        return msgspec.structs.replace(params, max_tokens=ceiling) if 0 < ceiling < limit else params
-    if limit > facts.n_ctx:
-        raise Rejected(f"the output token limit {limit} is more than the context of '{model}' "
-                       f"({facts.n_ctx} tokens, prompt included)", code="max_tokens_exceeds_context",
-                       cause=Blame.OUTPUT_LIMIT)
-    return params

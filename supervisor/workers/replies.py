@@ -36,7 +36,6 @@ class Blame(enum.Enum):
     PROMPT = "prompt"  # the prompt as a whole: too long, or its template failed on it
     GRAMMAR = "grammar"  # the constrained-output grammar (a JSON format or a forced call)
     IMAGES = "images"  # the request's images (the parent checks them first)
-    OUTPUT_LIMIT = "output_limit"  # the output token limit: more than the model's context
 
 
 class Rejected(BadRequest):
