@@ -33,11 +33,12 @@ import gguf
 import pytest
 
 from supervisor.models.demo import write_tiny_gguf
+from tests.real_templates import TEMPLATES
 from tests.server import REPO, Server, running, short_tempdir
 
 CODEX = REPO / ".venv" / "codex" / "node_modules" / ".bin" / "codex"
 # Codex's own prompt is about 19,000 tokens with this tokenizer; room for two turns.
-N_CTX = 32768
+N_CTX = 131072  # Codex sends about a dozen tools: long prompts on a tiny vocab
 TURN_TIMEOUT_S = 150
 
 pytestmark = pytest.mark.timeout(2 * TURN_TIMEOUT_S + 60)
@@ -52,7 +53,12 @@ def codex_binary() -> str | None:
 def brief_tiny_model(path: Path) -> Path:
     """A tiny random model whose replies end soon: the output row of its
     end-of-sequence token is scaled up, so that token's logit dominates often."""
-    write_tiny_gguf(path, n_ctx=N_CTX, n_layer=1, n_head=2, n_head_kv=1)
+    # Qwen 2.5's template, whose own (Hermes) tool format the parser reads:
+    # Codex always sends tools, and with the demo's plain ChatML they would
+    # go the generic JSON way, where a random model's answer is a JSON string
+    # it hardly ever closes, so no turn would end.
+    template = (TEMPLATES / "qwen2.5-instruct.jinja").read_text()
+    write_tiny_gguf(path, n_ctx=N_CTX, n_layer=1, n_head=2, n_head_kv=1, chat_template=template)
     reader = gguf.GGUFReader(str(path), mode="r+")
     eos = int(reader.fields["tokenizer.ggml.eos_token_id"].parts[-1][0])
     output = next(t for t in reader.tensors if t.name == "output.weight")
