@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import sys
 import time
@@ -46,6 +47,7 @@ from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
 from supervisor.lab.gpu_setup import build_lease, gpu_room
+from supervisor.lab.leftovers import remove_stale_sockets
 from supervisor.lab.runner import JobRunner, RunnerSettings
 from supervisor.lab.store import JOBS_OWNER_SCHEMA, JOBS_SCHEMA, JobStore
 from supervisor.models.library import ModelLibrary
@@ -158,6 +160,8 @@ async def pool_ctx(app: web.Application) -> AsyncIterator[None]:
                       admission=lease.worker_admission, device=lease.default_device,
                       gpus=gpu_room(lease, cfg.gpu_headroom), bookings=lease)
     lease.set_users(pool)
+    # Sockets of a parent killed -9 (the state lock makes this the only one).
+    await asyncio.to_thread(remove_stale_sockets, cfg.run_path, os.getpid())
     pool.start()
     app[POOL] = pool
     try:

@@ -47,6 +47,7 @@ from supervisor.errors import (
     param_error,
 )
 from supervisor.lab.hub import StoredEvent, Subscription
+from supervisor.lab.leftovers import remove_job_temps
 from supervisor.lab.store import FINISHED, Job, JobStore
 from supervisor.models.devices import DeviceReadError, GpuReading
 from supervisor.workers.engine_check import EngineBuild
@@ -221,6 +222,8 @@ async def delete_job(request: web.Request) -> web.Response:
     job = await request.app[JOB_STORE].delete(job.id)
     if job.log_path:
         Path(job.log_path).unlink(missing_ok=True)
+    # A job killed mid-write leaves its temp files; a deleted job keeps none.
+    await asyncio.to_thread(remove_job_temps, request.app[JOB_SETTINGS].roots.all(), {job.id})
     return json_response({"id": job.id, "object": "job", "deleted": True})
 
 

@@ -37,6 +37,7 @@ from supervisor.lab.job_process import (
     signal_group,
 )
 from supervisor.lab.lease import GpuLease
+from supervisor.lab.leftovers import remove_job_temps
 from supervisor.lab.outcome import Outcome, outcome_of, record, record_later
 from supervisor.lab.store import (
     WAITING_STAGE,
@@ -82,6 +83,8 @@ class JobRunner:
         report = await self.store.recover_at_boot()
         if report.interrupted:
             log.warning("jobs interrupted by the last shutdown: %s", ", ".join(report.interrupted))
+        # No job runs yet: every job temp file is a leftover of a killed one.
+        await asyncio.to_thread(remove_job_temps, self.settings.roots.all())
         self._tasks = [
             asyncio.create_task(self._schedule(), name="job-scheduler"),
             asyncio.create_task(self._prune_loop(), name="job-pruner"),
@@ -208,6 +211,8 @@ class JobRunner:
         for job in pruned:
             if job.log_path:
                 Path(job.log_path).unlink(missing_ok=True)
+        if pruned:
+            await asyncio.to_thread(remove_job_temps, self.settings.roots.all(), {j.id for j in pruned})
         return [job.id for job in pruned]
 
     async def _prune_loop(self) -> None:

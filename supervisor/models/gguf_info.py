@@ -15,6 +15,7 @@ shows next to the model.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ __all__ = ["GgufError", "GgufInfo", "TensorSizes", "quantization_name", "read_gg
            "read_tensor_sizes", "template_features", "tensor_sizes"]
 
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
+# llama.cpp's per-layer arrays have this many entries (LLAMA_MAX_LAYERS).
+LLAMA_MAX_LAYERS = 512
 
 
 # Default sliding-window patterns llama.cpp applies per architecture when the
@@ -204,10 +207,28 @@ def read_gguf_info(path: Path) -> GgufInfo:
         raise GgufError(path, "header has no general.architecture")
     try:
         info = _interpret(arch, version, tensor_count, kv, counts)
+        _check_plausible(arch, kv, info.n_layer, spans)
     except (TypeError, ValueError) as exc:
         raise GgufError(path, f"malformed {arch} header: {exc}") from exc
     info.tensors = tensor_sizes(spans, info.n_layer)
     return info
+
+
+def _check_plausible(arch: str, kv: dict[str, Any], n_layer: int, spans: list[tuple[str, int]]) -> None:
+    """Refuse values the engine meets with an abort (SIGABRT) instead of an
+    error: a crash on every load, so a restart loop before ``failed``. A
+    refusal here is a reason shown once, and no worker starts at all."""
+    if n_layer > LLAMA_MAX_LAYERS:
+        raise ValueError(f"block_count {n_layer} exceeds the engine's {LLAMA_MAX_LAYERS} layers")
+    single_file = int(kv.get("split.count") or 1) <= 1
+    if n_layer > 0 and single_file and kv.get("general.type") != "adapter":
+        held = [int(m.group(1)) for name, _ in spans if (m := _BLOCK_TENSOR.match(name))]
+        if held and n_layer > max(held) + 1:
+            raise ValueError(f"block_count {n_layer} claims more layers than the file's {max(held) + 1}")
+    for key, value in kv.items():
+        # A NaN or infinite hyperparameter (an epsilon, a rope base) is no model.
+        if key.startswith(arch + ".") and isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key} is {value}")
 
 
 def _int(kv: dict[str, Any], key: str, default: int = 0) -> int:

@@ -149,8 +149,10 @@ class WorkerPool:
             entry = self.models.entry(model_id)
             if entry is None:
                 raise ModelNotFound(f"model '{model_id}' does not exist", param="model")
-            if entry.kind == "hf" and not entry.usable:
-                # No vLLM environment, or files it cannot load: nothing to start.
+            if not entry.usable:
+                # A header the library refused (one the engine would abort on,
+                # or cannot read), no vLLM environment, or HF files it cannot
+                # load: nothing to start, and no crash to count.
                 raise ModelFailed(f"model '{model_id}' is unusable: {entry.reason}")
             plan = await self._plan_speculative(entry, settings, embedding)
             if handle is not None and self._reusable(handle, entry, options, settings, plan):
