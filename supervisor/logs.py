@@ -25,6 +25,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from supervisor import bad_http_log
+
 LOG_FORMATS = ("text", "kv", "json")
 QUIET_LIBRARIES = ("gguf", "watchfiles")
 # Fields a record may carry through ``extra=``; rendered after the message.
@@ -160,6 +162,7 @@ def configure(level: str, fmt: str, secret_values: Iterable[str] = ()) -> None:
     # being copied in is dozens). Their warnings still show.
     for name in QUIET_LIBRARIES:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+    bad_http_log.install()
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
