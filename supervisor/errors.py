@@ -189,6 +189,14 @@ class TooManyWaiting(Unavailable):
         super().__init__(message, retry_after=10, code="wait_line_full")
 
 
+class TooManyPlaces(ApiError):
+    """429: this caller already holds its share of the wait line."""
+
+    status = 429
+    type = "requests"
+    code = "wait_line_share"
+
+
 def param_error(exc: ParamError) -> BadRequest:
     """The 400 for invalid job params (the job side raises its own type)."""
     return BadRequest(exc.message, param=exc.param, code=exc.code)

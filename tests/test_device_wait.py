@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
+from supervisor.errors import TooManyPlaces
 from supervisor.lab.busy import WaitLine, eta_seconds
 from tests.server import Server
 from tests.test_lab_e2e import chat, models_dir, submit, wait_job  # noqa: F401 - fixture
@@ -79,13 +81,26 @@ def test_wait_refuses_bad_input(models_dir: Path, start_server: Callable[..., Se
 def test_tickets_lapse_when_no_longer_polled() -> None:
     now = [0.0]
     line = WaitLine(ttl_s=60, max_tickets=2, clock=lambda: now[0])
-    a = line.take("m", None)
+    a = line.take("m", None, "key a")
     now[0] = 30
-    b = line.take("m", None)
+    b = line.take("m", None, "key b")
     assert line.ahead_of(b) == 1
     now[0] = 70  # a was last seen at 0: lapsed; b at 30: still waiting
     assert line.ahead_of(b) == 0 and len(line) == 1
-    assert line.take("m", a.id).id != a.id  # a lapsed ticket gets a new place at the back
+    assert line.take("m", a.id, "key a").id != a.id  # a lapsed ticket gets a new place at the back
+
+
+def test_a_ticket_is_its_callers_and_one_caller_holds_a_share() -> None:
+    line = WaitLine(ttl_s=60, max_tickets=10, max_per_holder=3, clock=lambda: 0.0)
+    alice = line.take("m", None, "key alice")
+    bob = line.take("m", alice.id, "key bob")  # bob presents alice's ticket
+    assert bob.id != alice.id and line.ahead_of(bob) == 1, "bob took alice's place"
+    assert line.take("m", alice.id, "key alice") is alice  # hers still
+    line.take("m", None, "key alice")
+    line.take("m", None, "key alice")
+    with pytest.raises(TooManyPlaces, match="3 places"):
+        line.take("m", None, "key alice")
+    assert line.take("m", None, "key carol").holder == "key carol"  # others still get in
 
 
 def test_eta_from_progress() -> None:

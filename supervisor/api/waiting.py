@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from supervisor.api.callers import caller_of
 from supervisor.api.io import json_response
 from supervisor.appkeys import JOB_STORE, LEASE, POOL, WAIT_LINE
 from supervisor.errors import BadRequest, DeviceBusy, ModelNotFound
@@ -58,7 +59,7 @@ async def wait_for_device(request: web.Request) -> web.Response:
         raise ModelNotFound(f"model '{model}' not found", param="model")
     timeout = _timeout(request.query.get("timeout_s"))
     line = request.app[WAIT_LINE]
-    ticket = line.take(model, request.query.get("ticket") or None)
+    ticket = line.take(model, request.query.get("ticket") or None, caller_of(request))
     lease = request.app[LEASE]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout

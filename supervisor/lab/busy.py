@@ -20,7 +20,7 @@ from typing import Any
 
 from jobs.errors import ParamError
 from jobs.kinds import decode_params
-from supervisor.errors import BusyJob, NotFound, TooManyWaiting
+from supervisor.errors import BusyJob, NotFound, TooManyPlaces, TooManyWaiting
 from supervisor.lab.lease import GpuLease
 from supervisor.lab.store import JobStore
 
@@ -85,37 +85,45 @@ class Ticket:
     model: str
     order: int
     seen_at: float
+    holder: str  # the caller it was given to (supervisor/api/callers.py)
 
 
 class WaitLine:
     """Chats waiting for a device, in the order they took their tickets.
 
     A ticket lapses when its chat stops polling for ``ttl_s`` (the tab was
-    closed); the line holds at most ``max_tickets``.
+    closed); the line holds at most ``max_tickets``, and one caller at most
+    ``max_per_holder`` of them (one key once took all 1,000 in 0.7 s). A
+    ticket is its caller's: another caller presenting it gets a place of
+    its own at the back, not that one.
     """
 
-    def __init__(self, *, ttl_s: float = 60.0, max_tickets: int = 1000,
+    def __init__(self, *, ttl_s: float = 60.0, max_tickets: int = 1000, max_per_holder: int = 16,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
         self.max_tickets = max_tickets
+        self.max_per_holder = max_per_holder
         self._clock = clock
         self._tickets: dict[str, Ticket] = {}
         self._order = 0
 
-    def take(self, model: str, ticket_id: str | None) -> Ticket:
-        """The caller's ticket, kept fresh; a new one at the back when it has none
-        (or its old one lapsed)."""
+    def take(self, model: str, ticket_id: str | None, holder: str) -> Ticket:
+        """``holder``'s ticket, kept fresh; a new one at the back when it has none
+        (or its old one lapsed, or the id is another caller's)."""
         now = self._clock()
         self._prune(now)
         ticket = self._tickets.get(ticket_id) if ticket_id else None
-        if ticket is not None:
+        if ticket is not None and ticket.holder == holder:
             ticket.seen_at = now
             ticket.model = model
             return ticket
         if len(self._tickets) >= self.max_tickets:
             raise TooManyWaiting(f"{self.max_tickets} chats are already waiting for the device")
+        if sum(1 for t in self._tickets.values() if t.holder == holder) >= self.max_per_holder:
+            raise TooManyPlaces(f"this caller already holds {self.max_per_holder} places in the line; "
+                                 "poll with one of their tickets")
         self._order += 1
-        ticket = Ticket("wt_" + secrets.token_hex(8), model, self._order, now)
+        ticket = Ticket("wt_" + secrets.token_hex(8), model, self._order, now, holder)
         self._tickets[ticket.id] = ticket
         return ticket
 
