@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from supervisor.api.auth import key_id_of
+from tests.bad_models import engine_refused_gguf
 from tests.server import Server, running, short_tempdir
 from tests.test_auth import gpuvisor
 
@@ -117,7 +118,7 @@ def test_keys_see_only_their_own_jobs(secured: Server) -> None:
 
 def _failed_model_server(env: dict[str, str]) -> Server:
     models = short_tempdir("gvm")
-    (models / "broken.gguf").write_bytes(b"GGUF" + b"\x00" * 64)
+    engine_refused_gguf(models / "broken.gguf")
     srv = Server(models, env=env)
     srv.start(wait_ready=False)
     return srv

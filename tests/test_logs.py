@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.bad_models import engine_refused_gguf
 from tests.server import Server, poll_until, short_tempdir
 
 ASSET = re.compile(r'(?:src|href)="(static/[^"?]+)')
@@ -49,7 +50,7 @@ def test_model_loads_are_logged_with_their_time_and_failures(tiny_model_path: Pa
                                                             start_server: Callable[..., Server]) -> None:
     models = short_tempdir("gvm")
     (models / "tiny.gguf").symlink_to(tiny_model_path)
-    (models / "broken.gguf").write_bytes(b"GGUF" + b"\x00" * 64)
+    engine_refused_gguf(models / "broken.gguf")
     srv = start_server(models, env={"GPUVISOR_PRELOAD": "tiny"})
     r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60,
                    json={"model": "broken", "messages": [{"role": "user", "content": "x"}]})

@@ -24,7 +24,7 @@ from aiohttp import web
 from jobs.errors import ParamError
 from jobs.kinds import validate_params
 from jobs.params import ModelLookup, ResolveContext, Roots
-from supervisor.api import datasets
+from supervisor.api import datasets, user_view
 from supervisor.api.auth import key_id_of, request_scope
 from supervisor.api.io import (
     SseWriter,
@@ -105,7 +105,8 @@ class Caller:
         return self.sees_all or (self.owner is not None and job.owner == self.owner)
 
     def view(self, job: Job) -> dict[str, Any]:
-        return job.to_api(admin=self.sees_all)
+        shown = job.to_api(admin=self.sees_all)
+        return shown if self.sees_all else user_view.job(shown)
 
 
 def caller(request: web.Request) -> Caller:
@@ -327,6 +328,9 @@ async def gpu_state(request: web.Request) -> web.Response:
             memory_error = str(exc)
     state = dict(lease.snapshot(memory))
     state["memory_error"] = memory_error
+    scope = request_scope(request)
+    if scope is not None:  # a user key: other callers' jobs unnamed
+        state = await user_view.gpu(state, scope, user_view.owner_reader(request.app[JOB_STORE].get))
     check = request.app.get(ENGINE_CHECK)
     # An app assembled without the start-up check (a lab-only app) reports it unchecked.
     build = check.build if check is not None else EngineBuild()

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from supervisor.api.auth import request_scope
 from supervisor.api.adapter_views import api_adapters, base_adapters
 from supervisor.api.io import decode_json, json_response, read_body
 from supervisor.appkeys import LIBRARY, POOL
@@ -45,7 +46,7 @@ def model_media(pool: WorkerPool, entry: ModelEntry) -> tuple[Modalities, str]:
 
 
 
-def describe_model(entry: ModelEntry, pool: WorkerPool) -> dict[str, Any]:
+def describe_model(entry: ModelEntry, pool: WorkerPool, for_user: bool = False) -> dict[str, Any]:
     info = entry.info
     facts = info or entry.hf  # a GGUF header's facts, or an hf model's config
     media, vision_error = model_media(pool, entry)
@@ -83,7 +84,8 @@ def describe_model(entry: ModelEntry, pool: WorkerPool) -> dict[str, Any]:
             "progress": status["load_progress"]},
         "fit": None if fit is None else msgspec.to_builtins(fit),
         "speculative": describe_speculative(pool.speculative, entry.id, pool.handles.get((entry.id, False))),
-        "log_tail": _log_tail(pool, entry.id),
+        # The worker's log is the machine's insides: admins only (user_view.py).
+        "log_tail": None if for_user else _log_tail(pool, entry.id),
         # The LoRA adapters that fit this base, served as <id>:<adapter> (adapter_views.py).
         "adapters": base_adapters(entry),
         # What enforces JSON-schema output formats, once its worker said (null before).
@@ -123,12 +125,13 @@ def _entry(request: web.Request) -> ModelEntry:
 async def list_models(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     entries = sorted(request.app[LIBRARY].list(), key=lambda e: e.id)
-    return json_response({"object": "list", "data": [describe_model(e, pool) for e in entries],
+    for_user = request_scope(request) is not None
+    return json_response({"object": "list", "data": [describe_model(e, pool, for_user) for e in entries],
                           "adapters": api_adapters(pool)})
 
 
 async def get_model(request: web.Request) -> web.Response:
-    return json_response(describe_model(_entry(request), request.app[POOL]))
+    return json_response(describe_model(_entry(request), request.app[POOL], request_scope(request) is not None))
 
 
 async def load_model(request: web.Request) -> web.Response:

@@ -17,6 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
+from supervisor.api import user_view
+from supervisor.api.auth import request_scope
 from supervisor.api.callers import caller_of
 from supervisor.api.io import json_response
 from supervisor.appkeys import JOB_STORE, LEASE, POOL, WAIT_LINE
@@ -36,7 +38,11 @@ async def describe_busy(request: web.Request, handler: Handler) -> web.StreamRes
         return await handler(request)
     except DeviceBusy as busy:
         if busy.job is None and LEASE in request.app and JOB_STORE in request.app:
-            busy.job = await busy_job(request.app[LEASE], request.app[JOB_STORE])
+            store = request.app[JOB_STORE]
+            busy.job = await busy_job(request.app[LEASE], store)
+            scope = request_scope(request)
+            if scope is not None:  # a user key: others' jobs unnamed
+                await user_view.busy(busy, scope, user_view.owner_reader(store.get))
         raise
 
 
