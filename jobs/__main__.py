@@ -28,7 +28,7 @@ from jobs.context import (
     JobStopped,
 )
 from jobs.events import JobIO
-from jobs.kinds import job_kinds
+from jobs.kinds import job_kinds, stored_params
 from jobs.params import JobParams
 
 
@@ -52,7 +52,7 @@ def run_job(kind: str, io: JobIO, stdout: IO[bytes]) -> int:
     try:
         # Read the input before the stdin watchdog starts consuming the pipe.
         job_input = io.read_input()
-        params = msgspec.convert(job_input.params, spec.params)
+        params = stored_params(spec, job_input.params)
         ctx = msgspec.convert(job_input.context, JobContext)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         print(f"bad job input: {exc}", file=sys.stderr)

@@ -172,6 +172,9 @@ class ExportParams(JobParams, ExportOptions):
     converted to a GGUF LoRA adapter instead (``jobs.lora_export``); its base
     model (whose config.json gives the tensor layout) is the one the adapter
     records, or ``base``.
+
+    Converting and quantizing are CPU and disk work: an export books no
+    device (:meth:`JobParams.devices`), and chat keeps serving meanwhile.
     """
 
     model: str
@@ -200,11 +203,6 @@ class ExportParams(JobParams, ExportOptions):
         if self.output_name is None:
             self.output_name = adapter_stem(path)
         check_gguf_name(self.output_name, ctx, self.overwrite, "params.output_name")
-
-    def devices(self, available: Sequence[str]) -> list[str]:
-        # Converting is plain CPU and disk; quantizing holds the device like
-        # the quantize job does.
-        return list(available[:1]) if self.quantize is not None else []
 
 
 class FinetuneParams(JobParams, DeviceChoice):

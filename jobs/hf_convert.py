@@ -1,10 +1,11 @@
-"""Hugging Face model dir (Llama family, safetensors) -> GGUF F32/F16.
+"""Hugging Face model dir (safetensors) -> GGUF F32/F16.
 
 Our own converter on top of the ``gguf`` package: tensor names come from
-gguf's tensor map, hyperparameters from ``config.json``, the vocabulary from
-:mod:`jobs.hf_vocab`. Llama and Mistral Q/K weights are permuted the way
-llama.cpp's rotary embedding expects (HF stores the two rotary halves apart,
-llama.cpp wants them interleaved); Qwen2 uses NeoX rotary and is left as is.
+gguf's tensor map for the family's architecture, hyperparameters and family
+metadata from ``config.json`` (:mod:`jobs.hf_arch`, which also lists the
+families), the vocabulary from :mod:`jobs.hf_vocab`. Per-expert weights of a
+mixture-of-experts layer are stacked into one tensor per projection, as
+llama.cpp's expert kernels read them.
 
 Safetensors files are read by their header and memory-mapped, so no torch is
 needed, and tensors are streamed to the output one at a time: memory stays
@@ -14,7 +15,7 @@ about one tensor, whatever the model size.
 from __future__ import annotations
 
 import json
-import math
+import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,28 +26,28 @@ import gguf
 import numpy as np
 
 from jobs.context import JobError
+
+# Re-exported: the adapter export and the tests read them from here.
+from jobs.hf_arch import ARCHS as ARCHS
+from jobs.hf_arch import ArchSpec, add_hparams, add_rope
+from jobs.hf_arch import HParams as HParams
+from jobs.hf_arch import model_arch as model_arch
 from jobs.hf_vocab import load_vocab
 
 OutType = Literal["F32", "F16"]
 Progress = Callable[[int, int, str], None]
 
 
-@dataclass(frozen=True)
-class ArchSpec:
-    arch: gguf.MODEL_ARCH
-    permute_qk: bool
-
-
-ARCHS: dict[str, ArchSpec] = {
-    "LlamaForCausalLM": ArchSpec(gguf.MODEL_ARCH.LLAMA, True),
-    "MistralForCausalLM": ArchSpec(gguf.MODEL_ARCH.LLAMA, True),
-    "Qwen2ForCausalLM": ArchSpec(gguf.MODEL_ARCH.QWEN2, False),
-}
 _DTYPES: dict[str, np.dtype[Any]] = {
     "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "F64": np.dtype("<f8"),
 }
 # HF buffers that are not weights.
 _SKIP_SUFFIXES = (".rotary_emb.inv_freq",)
+# One expert's projection: <layer>.mlp.experts.<n>.<proj>.weight
+_EXPERT = re.compile(r"^(?P<head>.+\.experts)\.(?P<n>\d+)\.(?P<tail>.+)$")
+# Kept F32 in an F16 file, as llama.cpp's converter keeps them: the expert
+# router decides which weights run at all, so its rounding is not local.
+_KEEP_F32 = (".ffn_gate_inp.weight",)
 
 
 # ------------------------------------------------------------------ safetensors
@@ -101,117 +102,6 @@ def read_tensors(model_dir: Path) -> dict[str, TensorRef]:
     return out
 
 
-# ------------------------------------------------------------------ config
-
-
-@dataclass(frozen=True)
-class HParams:
-    n_vocab: int
-    n_ctx: int
-    n_embd: int
-    n_layer: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    rms_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-
-    @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> HParams:
-        try:
-            n_head = int(cfg["num_attention_heads"])
-            n_embd = int(cfg["hidden_size"])
-            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-            theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-            scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-            return cls(
-                n_vocab=int(cfg["vocab_size"]),
-                n_ctx=int(cfg.get("max_position_embeddings", 4096)),
-                n_embd=n_embd,
-                n_layer=int(cfg["num_hidden_layers"]),
-                n_ff=int(cfg["intermediate_size"]),
-                n_head=n_head,
-                n_head_kv=int(cfg.get("num_key_value_heads") or n_head),
-                head_dim=int(cfg.get("head_dim") or n_embd // n_head),
-                rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(theta),
-                rope_scaling=scaling,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise JobError(f"config.json lacks or mangles a hyperparameter: {exc}") from exc
-
-
-def model_arch(cfg: dict[str, Any]) -> tuple[str, ArchSpec]:
-    archs = cfg.get("architectures") or []
-    name = str(archs[0]) if archs else f"(model_type {cfg.get('model_type')!r})"
-    spec = ARCHS.get(name)
-    if spec is None:
-        raise JobError(
-            f"cannot convert architecture {name} to GGUF; supported: {', '.join(sorted(ARCHS))}"
-        )
-    return name, spec
-
-
-def _add_rope(writer: gguf.GGUFWriter, hp: HParams) -> np.ndarray[Any, Any] | None:
-    """Rope scaling keys; Llama 3 scaling becomes a ``rope_freqs`` tensor."""
-    rs = hp.rope_scaling
-    if rs is None:
-        return None
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(rs["factor"]))
-        return None
-    if kind == "yarn":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(float(rs["factor"]))
-        writer.add_rope_scaling_orig_ctx_len(int(rs["original_max_position_embeddings"]))
-        return None
-    if kind == "llama3":
-        return _llama3_rope_factors(hp, rs)
-    raise JobError(f"rope scaling {kind!r} is not supported (linear, yarn, llama3)")
-
-
-def _llama3_rope_factors(hp: HParams, rs: dict[str, Any]) -> np.ndarray[Any, Any]:
-    factor = float(rs.get("factor", 8.0))
-    low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
-    old_ctx = float(rs.get("original_max_position_embeddings", 8192))
-    freqs = 1.0 / (hp.rope_theta ** (np.arange(0, hp.head_dim, 2, dtype=np.float64) / hp.head_dim))
-    out = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < old_ctx / high:
-            out.append(1.0)
-        elif wavelen > old_ctx / low:
-            out.append(factor)
-        else:
-            smooth = (old_ctx / wavelen - low) / (high - low)
-            out.append(1.0 / ((1 - smooth) / factor + smooth))
-    return np.asarray(out, dtype=np.float32)
-
-
-def _add_hparams(writer: gguf.GGUFWriter, hp: HParams, name: str, outtype: OutType) -> None:
-    writer.add_name(name)
-    writer.add_context_length(hp.n_ctx)
-    writer.add_embedding_length(hp.n_embd)
-    writer.add_block_count(hp.n_layer)
-    writer.add_feed_forward_length(hp.n_ff)
-    writer.add_head_count(hp.n_head)
-    writer.add_head_count_kv(hp.n_head_kv)
-    writer.add_rope_dimension_count(hp.head_dim)
-    if hp.head_dim != hp.n_embd // hp.n_head:
-        writer.add_key_length(hp.head_dim)
-        writer.add_value_length(hp.head_dim)
-    writer.add_rope_freq_base(hp.rope_theta)
-    writer.add_layer_norm_rms_eps(hp.rms_eps)
-    writer.add_vocab_size(hp.n_vocab)
-    ftype = gguf.LlamaFileType.ALL_F32 if outtype == "F32" else gguf.LlamaFileType.MOSTLY_F16
-    writer.add_file_type(int(ftype))
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-
-
 # ------------------------------------------------------------------ tensors
 
 
@@ -224,11 +114,14 @@ def permute_rotary(w: np.ndarray[Any, Any], n_head: int) -> np.ndarray[Any, Any]
     )
 
 
+Transform = Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]]
+
+
 @dataclass(frozen=True)
 class PlannedTensor:
     name: str
-    source: TensorRef | None
-    transform: Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]] | None
+    sources: tuple[TensorRef, ...]  # more than one: stacked (experts) along a new first axis
+    transform: Transform | None
     dtype: np.dtype[Any]
     shape: tuple[int, ...]
     data: np.ndarray[Any, Any] | None = None
@@ -236,39 +129,86 @@ class PlannedTensor:
     def array(self) -> np.ndarray[Any, Any]:
         if self.data is not None:
             return self.data
-        assert self.source is not None
-        arr = self.source.load()
-        if self.transform is not None:
-            arr = self.transform(arr)
+        parts = []
+        for ref in self.sources:
+            arr = ref.load()
+            parts.append(arr if self.transform is None else self.transform(arr))
+        arr = parts[0] if len(parts) == 1 else np.stack(parts)
         return np.ascontiguousarray(arr, dtype=self.dtype)
 
 
-def _out_dtype(shape: tuple[int, ...], outtype: OutType) -> np.dtype[Any]:
+def _out_dtype(name: str, shape: tuple[int, ...], outtype: OutType) -> np.dtype[Any]:
     # Norms and biases stay F32, as llama.cpp expects.
-    return np.dtype(np.float16) if outtype == "F16" and len(shape) >= 2 else np.dtype(np.float32)
+    half = outtype == "F16" and len(shape) >= 2 and not name.endswith(_KEEP_F32)
+    return np.dtype(np.float16) if half else np.dtype(np.float32)
+
+
+def _group_experts(refs: dict[str, TensorRef]) -> dict[str, tuple[TensorRef, ...]]:
+    """HF name -> its tensors; one expert's projections under the stacked name
+    (``...mlp.experts.down_proj.weight``), in expert order."""
+    out: dict[str, tuple[TensorRef, ...]] = {}
+    experts: dict[str, dict[int, TensorRef]] = {}
+    for hf_name, ref in refs.items():
+        m = _EXPERT.match(hf_name)
+        if m is None:
+            out[hf_name] = (ref,)
+        else:
+            experts.setdefault(f"{m['head']}.{m['tail']}", {})[int(m["n"])] = ref
+    for stacked, by_n in experts.items():
+        if sorted(by_n) != list(range(len(by_n))):
+            raise JobError(f"{stacked}: experts {sorted(by_n)} are not numbered 0..{len(by_n) - 1}")
+        parts = tuple(by_n[i] for i in range(len(by_n)))
+        if len({p.shape for p in parts}) != 1:
+            raise JobError(f"{stacked}: the experts' weights differ in shape")
+        out[stacked] = parts
+    return out
+
+
+def _transform(hf_name: str, spec: ArchSpec, hp: HParams) -> Transform | None:
+    if spec.permute_qk and ".q_proj." in hf_name:
+        return _permuter(hp.n_head)
+    if spec.permute_qk and ".k_proj." in hf_name:
+        return _permuter(hp.n_head_kv)
+    if spec.norm_plus_one and hf_name.endswith("norm.weight"):
+        return _plus_one
+    return None
+
+
+def _plus_one(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return w + np.float32(1.0)
+
+
+def _tied_output(refs: dict[str, TensorRef], arch: str) -> None:
+    """An architecture without an output tensor reuses the embeddings: a
+    separate head that differs from them cannot be written."""
+    head, embed = refs["lm_head.weight"], refs.get("model.embed_tokens.weight")
+    if embed is None or not np.array_equal(head.load(), embed.load()):
+        raise JobError(f"the model has an output head of its own, but llama.cpp's {arch} "
+                       "ties it to the token embeddings")
 
 
 def plan_tensors(
     refs: dict[str, TensorRef], spec: ArchSpec, hp: HParams, outtype: OutType
 ) -> list[PlannedTensor]:
     names = gguf.get_tensor_name_map(spec.arch, hp.n_layer)
+    arch = gguf.MODEL_ARCH_NAMES[spec.arch]
     plan = []
-    for hf_name, ref in sorted(refs.items()):
+    for hf_name, parts in sorted(_group_experts(refs).items()):
         if hf_name.endswith(_SKIP_SUFFIXES):
+            continue
+        if hf_name == "lm_head.weight" and not spec.has_output:
+            _tied_output(refs, arch)
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
-            raise JobError(f"cannot map tensor {hf_name!r} to a GGUF name")
-        transform = None
-        if spec.permute_qk and ".q_proj." in hf_name:
-            transform = _permuter(hp.n_head)
-        elif spec.permute_qk and ".k_proj." in hf_name:
-            transform = _permuter(hp.n_head_kv)
-        plan.append(PlannedTensor(name, ref, transform, _out_dtype(ref.shape, outtype), ref.shape))
+            raise JobError(f"cannot map tensor {hf_name!r} to a GGUF name of {arch}")
+        shape = parts[0].shape if len(parts) == 1 else (len(parts), *parts[0].shape)
+        plan.append(PlannedTensor(name, parts, _transform(hf_name, spec, hp),
+                                  _out_dtype(name, shape, outtype), shape))
     return plan
 
 
-def _permuter(n_head: int) -> Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]]:
+def _permuter(n_head: int) -> Transform:
     return lambda w: permute_rotary(w, n_head)
 
 
@@ -304,13 +244,17 @@ def convert(
     vocab = load_vocab(model_dir, hp.n_vocab)
     plan = plan_tensors(read_tensors(model_dir), spec, hp, outtype)
     writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[spec.arch])
-    _add_hparams(writer, hp, name, outtype)
-    rope_freqs = _add_rope(writer, hp)
+    ftype = gguf.LlamaFileType.ALL_F32 if outtype == "F32" else gguf.LlamaFileType.MOSTLY_F16
+    add_hparams(writer, hp, name, ftype)
+    notes = spec.meta(writer, cfg, hp) if spec.meta is not None else []
+    rope_freqs = add_rope(writer, hp)
     if rope_freqs is not None:
-        plan.append(PlannedTensor("rope_freqs.weight", None, None, rope_freqs.dtype, rope_freqs.shape, rope_freqs))
+        plan.append(PlannedTensor("rope_freqs.weight", (), None, rope_freqs.dtype, rope_freqs.shape, rope_freqs))
     vocab.add_to(writer, model_dir)
+    if vocab.model == "llama" and not spec.space_prefix:
+        writer.add_add_space_prefix(False)
     total = _write(writer, plan, progress, check_stop)
-    return Converted(arch_name, len(plan), total, vocab.notes)
+    return Converted(arch_name, len(plan), total, [*vocab.notes, *notes])
 
 
 def _write(

@@ -33,6 +33,6 @@ def hub_unreachable_help(endpoint: str, models_dir: str, cache_dir: str) -> list
         f"gpuvisor could not reach the Hugging Face Hub at {endpoint}. Instead:",
         f"  - copy a .gguf file into the models directory ({models_dir}); it is listed within seconds",
         "  - set HF_ENDPOINT in the service's environment to a Hub mirror it can reach, and pull again",
-        (f"  - use the Hugging Face cache: with hf_cache_dir = \"{cache_dir}\" in the config the models in it "
-         "are listed, and HF_HUB_OFFLINE=1 in the service's environment makes a pull use only the cache"),
+        (f"  - use a Hugging Face cache: the GGUF models in the service's ({cache_dir}, or another one set as "
+         "hf_cache_dir) are listed, and HF_HUB_OFFLINE=1 in the service's environment makes a pull use only it"),
     ]

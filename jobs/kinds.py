@@ -42,6 +42,11 @@ class KindSpec:
     test_only: bool = False
     # Runs only with the ``train`` extra installed (torch, transformers, peft).
     needs_train: bool = False
+    # Params fields that older versions stored and this one no longer has:
+    # dropped from stored jobs (they still run), refused in new submissions
+    # with ``retired_why``.
+    retired: tuple[str, ...] = ()
+    retired_why: str = ""
 
 
 @functools.cache
@@ -59,7 +64,9 @@ def job_kinds(include_test: bool = False) -> Mapping[str, KindSpec]:
         ),
         KindSpec("export", ExportParams, "jobs.export", "convert a Hugging Face model to GGUF"),
         KindSpec("dataset", DatasetParams, "jobs.dataset", "convert a dataset to chat JSONL"),
-        KindSpec("quantize", QuantizeParams, "jobs.quantize", "quantize a GGUF model"),
+        KindSpec("quantize", QuantizeParams, "jobs.quantize", "quantize a GGUF model",
+                 retired=("gpus", "gpu_ids"),
+                 retired_why="quantize jobs run on the CPU and book no GPU"),
         KindSpec("sleep", SleepParams, "jobs.sleep", "a cheap test job", grace_s=10.0, test_only=True),
     ]
     return MappingProxyType({s.name: s for s in specs if include_test or not s.test_only})
@@ -76,8 +83,12 @@ def kind_spec(kind: str, *, include_test: bool = True) -> KindSpec:
 
 
 def decode_params(kind: str, raw: Mapping[str, Any], *, include_test: bool = True) -> JobParams:
-    """Convert raw params to the kind's struct (no path resolution)."""
+    """Convert raw params of a new submission to the kind's struct (no path
+    resolution); a retired field is a ParamError naming it."""
     spec = kind_spec(kind, include_test=include_test)
+    for name in spec.retired:
+        if name in raw:
+            raise ParamError(f"{name}: {spec.retired_why}; leave it out", param=f"params.{name}")
     try:
         return msgspec.convert(dict(raw), spec.params)
     except msgspec.ValidationError as exc:
@@ -85,6 +96,13 @@ def decode_params(kind: str, raw: Mapping[str, Any], *, include_test: bool = Tru
         field = at if at is not None else unknown_field(exc)
         param = f"params.{field}" if field else "params"
         raise ParamError(f"invalid params for {kind}: {exc}", param=param) from exc
+
+
+def stored_params(spec: KindSpec, raw: Mapping[str, Any]) -> JobParams:
+    """The params of a stored job, which an older version may have written:
+    its retired fields are dropped. Raises ``msgspec.ValidationError``."""
+    current = {k: v for k, v in raw.items() if k not in spec.retired}
+    return msgspec.convert(current, spec.params)
 
 
 def validate_params(kind: str, raw: Mapping[str, Any], ctx: ResolveContext) -> JobParams:

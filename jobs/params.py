@@ -165,7 +165,10 @@ def dataset_outputs(datasets_dir: Path, output_name: str) -> tuple[Path, Path]:
     return (datasets_dir / f"{output_name}.train.jsonl", datasets_dir / f"{output_name}.eval.jsonl")
 
 
-class QuantizeParams(JobParams, DeviceChoice):
+class QuantizeParams(JobParams):
+    """Quantize a GGUF into the models dir. It runs ggml's CPU kernels, so it
+    books no GPU (:meth:`JobParams.devices`): chat keeps serving meanwhile."""
+
     model: str
     type: QuantType
     output_name: str | None = None
@@ -189,11 +192,6 @@ class QuantizeParams(JobParams, DeviceChoice):
                 param="params.output_name",
                 code="output_exists",
             )
-
-    def devices(self, available: Sequence[str]) -> list[str]:
-        # Quantizing maps the whole model into memory: hold the device so no
-        # model worker competes with it.
-        return self.pick(available)
 
 
 class SleepParams(JobParams, DeviceChoice):

@@ -50,6 +50,7 @@ from supervisor.lab.gpu_setup import build_lease, gpu_room
 from supervisor.lab.leftovers import remove_stale_sockets
 from supervisor.lab.runner import JobRunner, RunnerSettings
 from supervisor.lab.store import JOBS_OWNER_SCHEMA, JOBS_SCHEMA, JobStore
+from supervisor.models import hub_cache
 from supervisor.models.library import ModelLibrary
 from supervisor.models.source import LibrarySource, ensure_demo_model
 from supervisor.responses.store import RESPONSES_OWNER_SCHEMA
@@ -128,7 +129,10 @@ async def library_ctx(app: web.Application) -> AsyncIterator[None]:
         for written in ensure_demo_model(cfg.models_path, cfg.state_path):
             log.info("wrote a tiny random demo model to %s", written)
     dirs = [cfg.models_path, *(Path(d) for d in cfg.extra_model_dirs)]
-    library = ModelLibrary(dirs, Path(cfg.hf_cache_dir) if cfg.hf_cache_dir else None,
+    hub = hub_cache.resolve(cfg.hf_cache_dir)
+    if hub.listed:
+        log.info("listing the models of the Hugging Face cache %s", hub.path)
+    library = ModelLibrary(dirs, hub.scan_dir,
                            settle_s=cfg.library_settle_s, vllm_python=cfg.vllm_python or None)
     app[LIBRARY] = library
     stop = asyncio.Event()
@@ -175,8 +179,8 @@ async def runner_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     roots = roots_from(cfg)
     extra_env = {"HF_TOKEN": cfg.hf_token} if cfg.hf_token else {}
-    if cfg.hf_cache_dir:
-        extra_env["HF_HUB_CACHE"] = cfg.hf_cache_dir
+    # Downloads land in the cache the library lists (supervisor/models/hub_cache.py).
+    extra_env.update(hub_cache.job_env(hub_cache.resolve(cfg.hf_cache_dir)))
     runner = JobRunner(JobStore(app[DB]), app[LEASE], RunnerSettings(
         state_dir=cfg.state_path, roots=roots, python=sys.executable,
         max_concurrent=cfg.max_concurrent_jobs or None, grace_s={},

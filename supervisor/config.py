@@ -180,6 +180,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model_defaults: dict[str, ModelSettings] = {}
     # Model library
     extra_model_dirs: list[str] = []
+    # The Hugging Face Hub cache that is listed and that downloads fill;
+    # unset: huggingface_hub's default (HF_HUB_CACHE, HF_HOME); "off": none
+    # is listed (supervisor/models/hub_cache.py).
     hf_cache_dir: str = ""
     hf_token: str = ""
     library_settle_s: float = 0.5

@@ -35,6 +35,8 @@ FAST_ENV = {
     "GPUVISOR_TEST_JOB_KINDS": "1",
 }
 
+# Where huggingface_hub finds its cache (a test's own values replace them all).
+HUB_CACHE_ENV = frozenset({"HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"})
 
 T = TypeVar("T")
 
@@ -75,8 +77,11 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUVISOR_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUVISOR_") and k not in HUB_CACHE_ENV}
         env.update(FAST_ENV)
+        if not HUB_CACHE_ENV & self.extra_env.keys():
+            # The service lists the Hub cache by default: this server's own, never the user's.
+            env["HF_HOME"] = str(self.state_dir / "hf-home")
         env.update(self.extra_env)
         env["PYTHONPATH"] = str(REPO)
         return env

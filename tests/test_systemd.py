@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from supervisor.service.systemd import Notifier, install, keepalive, render_unit
+from supervisor.service.unit_devices import ALL_KINDS, GpuKind, detect, parse_kinds
 from tests.server import REPO, Server, short_tempdir
 
 
@@ -133,19 +134,96 @@ def test_unit_file_is_the_rendered_one() -> None:
     assert (REPO / "systemd" / "gpuvisor.service").read_text() == render_unit()
 
 
-def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kinds", [ALL_KINDS, ("nvidia",), ("rocm",), ("vulkan",), ("nvidia", "rocm"), ()],
+                         ids=lambda k: "+".join(k) or "cpu")
+def test_unit_passes_systemd_analyze_verify(tmp_path: Path, kinds: tuple[GpuKind, ...]) -> None:
     tool = shutil.which("systemd-analyze")
     if tool is None:
         pytest.skip("systemd-analyze is not installed (apt-get install systemd)")
     # The shipped unit names /opt/gpuvisor/...: verify checks that ExecStart
     # exists, so render it for this interpreter; everything else is identical.
     unit = tmp_path / "gpuvisor.service"
-    unit.write_text(render_unit(f"{sys.executable} -m supervisor", "gpuvisor"))
+    unit.write_text(render_unit(f"{sys.executable} -m supervisor", "gpuvisor", kinds))
     r = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60, check=False)
     if r.returncode != 0 and "Failed to" in r.stderr and "gpuvisor.service" not in r.stderr:
         pytest.skip(f"systemd-analyze cannot run here: {r.stderr.strip()[:300]}")
     assert r.returncode == 0, r.stderr
     assert "Unknown" not in r.stderr and "ignoring" not in r.stderr, r.stderr
+
+
+def _allowed(unit: str) -> list[str]:
+    return [line.removeprefix("DeviceAllow=") for line in unit.splitlines() if line.startswith("DeviceAllow=")]
+
+
+def test_device_rules_follow_the_gpu_kind() -> None:
+    nvidia = ["char-nvidiactl rw", "char-nvidia-frontend rw", "char-nvidia-uvm rw", "char-nvidia-caps rw"]
+    assert _allowed(render_unit(kinds=("nvidia",))) == nvidia
+    assert _allowed(render_unit(kinds=("rocm",))) == ["/dev/kfd rw", "char-drm rw"]
+    # Vulkan runs on any vendor's driver: the DRM nodes, and NVIDIA's for its GPUs.
+    assert _allowed(render_unit(kinds=("vulkan",))) == [*nvidia, "char-drm rw"]
+    assert _allowed(render_unit(kinds=())) == []
+    assert "DevicePolicy=closed" in render_unit(kinds=())
+    # The shipped unit, for any build: every kind.
+    assert _allowed(render_unit()) == [*nvidia, "/dev/kfd rw", "char-drm rw"]
+    assert parse_kinds("auto") is None and parse_kinds("none") == ()
+    assert parse_kinds(" ROCm, vulkan,rocm") == ("rocm", "vulkan")
+    with pytest.raises(ValueError, match="unknown GPU kind 'cuda'"):
+        parse_kinds("cuda")
+
+
+def _fake_dist(site: Path, name: str, version: str, libs: dict[str, bytes]) -> None:
+    """An installed distribution as pip leaves it: dist-info with a RECORD."""
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    record = [f"{info.name}/METADATA,,"]
+    for rel, content in libs.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_bytes(content)
+        record.append(f"{rel},,")
+    (info / "RECORD").write_text("\n".join(record) + "\n")
+
+
+ELF_CPU = b"\x7fELF" + b"\0" * 64 + b"libgomp.so.1\0libstdc++.so.6\0ggml_backend_cpu_reg\0"
+
+
+@pytest.mark.parametrize(("engine_lib", "torch_version", "kinds"), [
+    (b"libcudart.so.12\0libcublas.so.12\0", "2.13.0+cu128", ("nvidia",)),
+    (b"libamdhip64.so.6\0libhipblas.so.2\0", "2.13.0+rocm6.4", ("rocm",)),
+    (b"libvulkan.so.1\0", "2.13.0+cpu", ("vulkan",)),
+    (b"libamdhip64-8c2d1f0e.so.6\0", None, ("rocm",)),  # bundled by auditwheel, no torch
+    (b"", "2.13.0+rocm6.4", ("rocm",)),  # a CPU engine beside a ROCm torch (vLLM, fine-tunes)
+])
+def test_the_installed_builds_choose_the_kinds(tmp_path: Path, engine_lib: bytes,
+                                               torch_version: str | None, kinds: tuple[GpuKind, ...]) -> None:
+    _fake_dist(tmp_path, "xllamacpp", "2026.10.11549", {
+        "xllamacpp/xllamacpp.abi3.so": ELF_CPU,
+        "xllamacpp/__init__.py": b"",
+        **({"xllamacpp.libs/libggml-gpu.so.0": ELF_CPU + engine_lib} if engine_lib else {})})
+    if torch_version is not None:
+        _fake_dist(tmp_path, "torch", torch_version, {"torch/__init__.py": b""})
+    found, why = detect([str(tmp_path)])
+    assert found == kinds, why
+    assert "the unit allows" in why
+
+
+def test_cpu_builds_allow_every_kind_and_say_so(tmp_path: Path) -> None:
+    _fake_dist(tmp_path, "xllamacpp", "1.0", {"xllamacpp/xllamacpp.abi3.so": ELF_CPU})
+    _fake_dist(tmp_path, "torch", "2.13.0+cpu", {})
+    found, why = detect([str(tmp_path)])
+    assert found == ALL_KINDS
+    assert "engine: CPU build; torch: CPU build" in why and "--gpu" in why
+    assert detect([str(tmp_path / "empty")])[1].startswith("engine: not installed; torch: not installed")
+
+
+def test_install_for_rocm_adds_the_render_group(tmp_path: Path) -> None:
+    calls: list[list[str]] = []
+    done = install(tmp_path, "/usr/bin/gpuvisor", "gpuvisor", create_user=True, run=calls.append,
+                   kinds=("rocm",), groups=["render", "video"])
+    assert calls[1] == ["usermod", "--append", "--groups", "render,video", "gpuvisor"]
+    assert any("render, video" in line for line in done)
+    unit = (tmp_path / "etc/systemd/system/gpuvisor.service").read_text()
+    assert _allowed(unit) == ["/dev/kfd rw", "char-drm rw"] and "(rocm) allowed" in unit
 
 
 def test_install_writes_unit_and_keeps_local_config(tmp_path: Path) -> None:
@@ -169,3 +247,23 @@ def test_install_systemd_cli_under_a_root(tmp_path: Path) -> None:
                        capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "etc/systemd/system/gpuvisor.service").exists()
+    assert r.stdout.startswith("GPU devices: engine: ")  # detected, and why
+    # Groups belong to the target machine: a staging root adds none.
+    assert "usermod" not in r.stdout and "groups" not in r.stdout
+
+
+def test_install_systemd_cli_gpu_choice(tmp_path: Path) -> None:
+    def cli(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "supervisor", "install-systemd", "--root", str(tmp_path),
+                               "--exec", "/usr/local/bin/gpuvisor", "--state-dir", str(tmp_path / "state"),
+                               *extra], capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
+
+    r = cli("--gpu", "rocm")
+    assert r.returncode == 0, r.stderr
+    assert "GPU devices: rocm (--gpu)" in r.stdout
+    unit = (tmp_path / "etc/systemd/system/gpuvisor.service").read_text()
+    assert _allowed(unit) == ["/dev/kfd rw", "char-drm rw"]
+    bad = cli("--gpu", "cuda")
+    assert bad.returncode == 2 and "unknown GPU kind 'cuda'" in bad.stderr
+    # A refused choice leaves the unit as it was.
+    assert (tmp_path / "etc/systemd/system/gpuvisor.service").read_text() == unit

@@ -64,6 +64,7 @@ def describe_model(entry: ModelEntry, pool: WorkerPool, for_user: bool = False) 
         "engine": entry.engine,
         "repo_id": entry.repo_id,
         "mmproj": entry.mmproj,
+        "projector_note": entry.projector_note,
         "vision": media.vision,
         "audio": media.audio,
         "vision_error": vision_error or None,

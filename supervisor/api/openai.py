@@ -341,7 +341,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             # A projector the header does not tell about: its worker decides, with its reason.
             linked = projector_modalities(entry.mmproj) or Modalities(True, True)
         if entry is not None:
-            require_media(req.model, images, linked.vision, linked.audio)
+            # Without a link, the library's note says why none of its folder fits.
+            why = entry.projector_note or "" if entry.mmproj is None else ""
+            require_media(req.model, images, linked.vision, linked.audio, why)
     # The template decides the tool-call format and whether the model thinks.
     facts = await pool.facts(req.model)
     require_vision(req.model, images, facts)

@@ -18,8 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from jobs.errors import ParamError
-from jobs.kinds import decode_params
+from jobs.kinds import kind_spec, stored_params
 from supervisor.errors import BusyJob, NotFound, TooManyPlaces, TooManyWaiting
 from supervisor.lab.lease import GpuLease
 from supervisor.lab.store import JobStore
@@ -48,10 +50,10 @@ async def _jobs_behind(store: JobStore, device: str, lease_waiters: list[str]) -
     # The first page is enough to count a line anyone would wait behind.
     for job in (await store.list_jobs(status=["queued"], limit=200)).jobs:
         try:
-            if decode_params(job.kind, job.params).devices([device]):
+            if stored_params(kind_spec(job.kind), job.params).devices([device]):
                 behind.add(job.id)
-        except ParamError:
-            continue  # a stored job of an unknown kind: it fails when claimed
+        except (ParamError, msgspec.ValidationError):
+            continue  # a stored job of an unknown kind or bad params: it fails when claimed
     return len(behind)
 
 

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Sequence
 
 from supervisor.lab.lease import GpuLease, device_from_id, devices_from_readings
-from supervisor.models.devices import DeviceReadError, DeviceSource, SmiSource
+from supervisor.models.devices import DeviceReadError, DeviceSource, SystemSource
 from supervisor.models.gpu_place import DEFAULT_HEADROOM
 from supervisor.models.settle import Settler
 from supervisor.workers.gpu_room import GpuRoom
@@ -22,7 +22,7 @@ log = logging.getLogger("gpuvisor.lease")
 async def build_lease(configured: Sequence[str] = (), source: DeviceSource | None = None, *,
                       drain_timeout: float = 30.0, settle_timeout: float = 10.0) -> GpuLease:
     """Configured device ids win; else the GPUs the source reports; none: ``cpu``."""
-    source = SmiSource() if source is None else source
+    source = SystemSource() if source is None else source
     if configured:
         devices = [device_from_id(d) for d in configured]
     else:

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from jobs.errors import ParamError
-from jobs.kinds import KindSpec, kind_spec, params_dict
+from jobs.kinds import KindSpec, kind_spec, params_dict, stored_params
 from jobs.params import JobParams
 from supervisor.errors import ApiError, BadRequest, StorageFull, param_error
 from supervisor.lab.active import ActiveJob, RunnerSettings, StopReason
@@ -286,7 +286,7 @@ class JobRunner:
     async def _run_job(self, active: ActiveJob) -> None:
         job = active.job
         try:
-            params = msgspec.convert(job.params, active.spec.params)
+            params = stored_params(active.spec, job.params)
         except msgspec.ValidationError as exc:
             await self._finish(active, "failed", error=f"stored params no longer valid: {exc}")
             return

@@ -4,8 +4,10 @@ Everything that looks at GPUs (the lease's device list, the placement of a
 model, the settle wait after an eviction) reads them through one
 :class:`DeviceSource` passed in, never a global, so tests simulate 1-, 2- and
 4-GPU boxes with recorded ``nvidia-smi`` output or NVML-like readings.
+:class:`SystemSource` reads NVIDIA GPUs through ``nvidia-smi`` and AMD ones
+through ``amd-smi`` or ``rocm-smi`` (:mod:`supervisor.models.amd_smi`).
 
-A source's ``read`` blocks (it may run ``nvidia-smi``): call it in a thread.
+A source's ``read`` blocks (it may run a tool): call it in a thread.
 It raises :class:`DeviceReadError` when the GPUs cannot be read at all; a
 machine without any GPU reads as an empty list.
 """
@@ -17,33 +19,15 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-import msgspec
-
+from supervisor.models.amd_smi import AmdSource
+from supervisor.models.gpu_reading import MIB as MIB
+from supervisor.models.gpu_reading import DeviceReadError as DeviceReadError
+from supervisor.models.gpu_reading import GpuReading as GpuReading
 from supervisor.models.memory import run_nvidia_smi, visible_devices
 from supervisor.models.memory import select_visible as select_entries
 
-MIB = 1024 * 1024
 SMI_QUERY = "--query-gpu=index,uuid,name,memory.free,memory.total"
 SMI_TIMEOUT_S = 10.0
-
-
-class DeviceReadError(Exception):
-    """The GPU readings could not be taken (the tool failed or printed nonsense)."""
-
-
-class GpuReading(msgspec.Struct, frozen=True, kw_only=True):
-    """One GPU as the driver reports it; ``index`` is its nvidia-smi index."""
-
-    index: int
-    uuid: str
-    name: str
-    free_bytes: int
-    total_bytes: int
-
-    @property
-    def device_id(self) -> str:
-        """Its id in the GPU lease."""
-        return f"cuda:{self.index}"
 
 
 class DeviceSource(Protocol):
@@ -101,6 +85,37 @@ class SmiSource:
         return select_visible(parse_gpu_csv(text), self._environ)
 
 
+class SystemSource:
+    """The machine's GPUs: NVIDIA ones through nvidia-smi, else AMD ones.
+
+    The first source that shows GPUs is kept for every later reading, so an
+    AMD box does not ask a broken nvidia-smi each time. Failures of every
+    source, with no GPU seen, are one DeviceReadError naming each.
+    """
+
+    def __init__(self, sources: Sequence[tuple[str, DeviceSource]] | None = None) -> None:
+        self._sources: list[tuple[str, DeviceSource]] = list(sources) if sources is not None else [
+            ("nvidia-smi", SmiSource()), ("amd", AmdSource())]
+        self.chosen: str | None = None
+
+    def read(self) -> list[GpuReading]:
+        if self.chosen is not None:
+            return dict(self._sources)[self.chosen].read()
+        failures: list[str] = []
+        for name, source in self._sources:
+            try:
+                found = source.read()
+            except DeviceReadError as exc:
+                failures.append(str(exc))
+                continue
+            if found:
+                self.chosen = name
+                return found
+        if failures:
+            raise DeviceReadError("; ".join(failures))
+        return []
+
+
 class RecordedSource:
     """Readings replayed in order: recorded nvidia-smi CSV text or NVML-like
     lists of :class:`GpuReading`. Each read takes the next; the last repeats."""
@@ -132,6 +147,14 @@ def pinned_environ(indices: Sequence[int]) -> dict[str, str]:
 
     CUDA numbers GPUs fastest first unless told otherwise; nvidia-smi (and so
     the lease) numbers them by PCI bus: make CUDA do the same.
+
+    On ROCm, ``ROCR_VISIBLE_DEVICES`` picks GPUs by the index amd-smi shows,
+    and HIP then numbers what is left from 0: ``HIP_VISIBLE_DEVICES`` counts
+    within that list, not the machine's (the same index in both hides a
+    second GPU). HIP prefers it to ``CUDA_VISIBLE_DEVICES``, which stays the
+    machine's index for NVIDIA.
     """
     value = ",".join(str(i) for i in indices)
-    return {**{name: value for name in VISIBLE_DEVICE_VARS}, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    within = ",".join(str(i) for i in range(len(indices)))
+    return {"CUDA_VISIBLE_DEVICES": value, "ROCR_VISIBLE_DEVICES": value,
+            "HIP_VISIBLE_DEVICES": within, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}

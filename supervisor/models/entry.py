@@ -31,6 +31,8 @@ class ModelEntry(msgspec.Struct, kw_only=True):
     repo_id: str | None = None
     revision: str | None = None  # hub commit hash
     mmproj: str | None = None
+    # Why no projector of the model's folder was linked, or why the link is unchecked.
+    projector_note: str | None = None
     quantization: str | None = None
     info: GgufInfo | None = None
     usable: bool = True

@@ -169,6 +169,44 @@ def read_header(path: Path, *, tensors: bool) -> Parsed:
         raise GgufError(path, f"cannot read file: {exc.strerror or exc}") from exc
 
 
+def read_tensor_dims(path: Path, wanted: frozenset[str]) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    """The header's keys, and the dims (``ne0`` first) of the tensors named in ``wanted``.
+
+    The index is walked only until every wanted tensor was seen; sizes and
+    data are never looked at.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 24:
+                raise GgufError(path, f"file is too short to be GGUF ({size} bytes)")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                cur = _Cursor(mm, path)
+                _, count, kv, _ = _parse(cur)
+                return kv, _dims_of(cur, count, wanted)
+    except OSError as exc:
+        raise GgufError(path, f"cannot read file: {exc.strerror or exc}") from exc
+
+
+def _dims_of(cur: _Cursor, count: int, wanted: frozenset[str]) -> dict[str, list[int]]:
+    if count > _MAX_TENSORS:
+        raise GgufError(cur.path, f"implausible tensor count {count}")
+    dims: dict[str, list[int]] = {}
+    for _ in range(count):
+        if len(dims) == len(wanted):
+            break
+        name = cur.string("tensor name")
+        n_dims = cur.u32(f"tensor {name!r}")
+        if n_dims > _MAX_TENSOR_DIMS:
+            raise GgufError(cur.path, f"tensor {name!r} claims {n_dims} dimensions")
+        if name in wanted:
+            dims[name] = [cur.u64(f"tensor {name!r}") for _ in range(n_dims)]
+            cur.skip(12, f"tensor {name!r}")  # type and data offset
+        else:
+            cur.skip(8 * n_dims + 12, f"tensor {name!r}")
+    return dims
+
+
 def _parse(cur: _Cursor) -> tuple[int, int, dict[str, Any], dict[str, int]]:
     if bytes(cur.buf[0:4]) != GGUF_MAGIC:
         raise GgufError(cur.path, "not a GGUF file (bad magic)")

@@ -4,8 +4,9 @@
 Sources, in priority order:
 
 1. the configured model dirs, scanned recursively (hidden names skipped);
-2. the Hugging Face hub cache (``huggingface_hub.scan_cache_dir``), one
-   revision per repo: the one ``main`` points to, else the newest.
+2. the Hugging Face hub cache (``huggingface_hub.scan_cache_dir``; which
+   one: supervisor/models/hub_cache.py), one revision per repo: the one
+   ``main`` points to, else the newest.
 
 Model ids are stable and readable:
 
@@ -20,7 +21,9 @@ When two files claim the same id the first source wins.
 A sharded set ``name-00001-of-0000N.gguf`` is one model whose size is the sum
 of its shards; it is listed only when every shard is present and settled.
 Files named ``*mmproj*.gguf`` are vision projectors: never listed as models,
-linked to the models in the same folder (or the same hub snapshot).
+linked to the models in the same folder (or the same hub snapshot) that they
+fit by their headers (supervisor/models/projector_match.py); a model left
+without one says why in ``projector_note``.
 
 A file is offered only once it is settled: not a temporary name
 (``.part``, ``.tmp``, ``.incomplete``...), and either last modified more than
@@ -55,7 +58,6 @@ from jobs.gguf_names import (
     group_gguf_files,
     hf_model_id,
     is_temporary_name,
-    pick_projector,
 )
 from supervisor.models import library_watch, peft_adapters
 from supervisor.models.adapters import (
@@ -67,6 +69,7 @@ from supervisor.models.adapters import (
 from supervisor.models.entry import ModelEntry as ModelEntry
 from supervisor.models.gguf_info import GgufError, GgufInfo, read_gguf_info
 from supervisor.models.hf_scan import HfScanner
+from supervisor.models.projector_match import link_projector
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +287,6 @@ class ModelLibrary:
         for key, files in models.items():
             if not files:
                 continue  # incomplete shard set
-            mmproj = pick_projector(by_dir.get(key.rpartition("/")[0], []))
             try:
                 out.append(
                     self._entry(
@@ -292,7 +294,7 @@ class ModelLibrary:
                         root=root,
                         files=[root / f for f in files],
                         source="dir",
-                        mmproj=root / mmproj if mmproj else None,
+                        projectors=[root / p for p in by_dir.get(key.rpartition("/")[0], [])],
                     )
                 )
             except FileNotFoundError:
@@ -320,7 +322,6 @@ class ModelLibrary:
             )
             rel = {f.file_path.relative_to(rev.snapshot_path).as_posix(): f for f in rev.files}
             models, projectors = group_gguf_files(rel)
-            mmproj = pick_projector(projectors)
             for key, files in models.items():
                 if not files:
                     continue
@@ -331,7 +332,7 @@ class ModelLibrary:
                             root=self.hf_cache_dir,
                             files=[rel[f].file_path for f in files],
                             source="hf_cache",
-                            mmproj=rel[mmproj].file_path if mmproj else None,
+                            projectors=[rel[p].file_path for p in projectors],
                             repo_id=repo.repo_id,
                             revision=rev.commit_hash,
                         )
@@ -347,7 +348,7 @@ class ModelLibrary:
         root: Path,
         files: builtins.list[Path],
         source: Literal["dir", "hf_cache"],
-        mmproj: Path | None,
+        projectors: Sequence[Path],
         repo_id: str | None = None,
         revision: str | None = None,
     ) -> ModelEntry:
@@ -359,6 +360,7 @@ class ModelLibrary:
             reason = "a vision projector (mmproj), not a model"
         elif info is not None and len(files) > 1 and info.split_count not in (0, len(files)):
             reason = f"shard set has {len(files)} files but the header says {info.split_count}"
+        mmproj, projector_note = link_projector(files[0], info, projectors)
         return ModelEntry(
             id=model_id,
             path=str(files[0]),
@@ -370,6 +372,7 @@ class ModelLibrary:
             repo_id=repo_id,
             revision=revision,
             mmproj=str(mmproj) if mmproj else None,
+            projector_note=projector_note,
             quantization=info.quantization if info else None,
             info=info,
             usable=reason is None,

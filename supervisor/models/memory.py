@@ -34,14 +34,15 @@ class MemorySnapshot(msgspec.Struct, frozen=True, kw_only=True):
 
 
 
-def visible_devices(environ: Mapping[str, str]) -> list[str] | None:
-    """CUDA_VISIBLE_DEVICES as a list of entries; None when unset (all visible)."""
-    value = environ.get("CUDA_VISIBLE_DEVICES")
+def visible_devices(environ: Mapping[str, str], name: str = "CUDA_VISIBLE_DEVICES") -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES (or ROCR_VISIBLE_DEVICES: ``name``) as a list of
+    entries; None when unset (all visible)."""
+    value = environ.get(name)
     if value is None:
         return None
     out: list[str] = []
     for part in (p.strip() for p in value.split(",")):
-        # CUDA stops enumerating at the first invalid entry (e.g. -1).
+        # CUDA (and ROCr) stop enumerating at the first invalid entry (e.g. -1).
         if not part or part.startswith("-"):
             break
         out.append(part)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import grp
 import ipaddress
 import os
 import pwd
@@ -46,6 +47,9 @@ def add_subcommands(sub: Any) -> None:
     inst.add_argument("--root", default="/", help="install under this root (for packaging)")
     inst.add_argument("--exec", dest="exec_path", help="the gpuvisor executable (default: this one)")
     inst.add_argument("--user", default="gpuvisor", help="service user (created if missing)")
+    inst.add_argument("--gpu", default="auto",
+                      help="GPU device nodes the unit allows: auto (those of the installed engine "
+                           "and torch builds), none, or a comma list of nvidia, rocm, vulkan")
     # The same settings as serve, so that a service started with flags is
     # found with the same flags (or the same config file and environment).
     for sp in (st, pl, inst, *keys.choices.values()):
@@ -233,20 +237,43 @@ def _ago(seconds: float) -> str:
 
 def _install(args: argparse.Namespace) -> int:
     from supervisor.service.systemd import install
+    from supervisor.service.unit_devices import detect, device_groups, parse_kinds
 
     root = Path(args.root)
     exec_path = args.exec_path or shutil.which("gpuvisor") or str(Path(sys.argv[0]).resolve())
     create_user = root == Path("/") and not _user_exists(args.user)
+    try:
+        chosen = parse_kinds(args.gpu)
+    except ValueError as exc:
+        print(f"gpuvisor: --gpu: {exc}", file=sys.stderr)
+        return 2
     if root == Path("/") and os.geteuid() != 0:
         print("gpuvisor: install-systemd writes to /etc: run it as root (or pass --root DIR)",
               file=sys.stderr)
         return 1
+    if chosen is None:
+        # The builds of this interpreter's environment: the one --exec runs, as a rule.
+        kinds, why = detect()
+        print(f"GPU devices: {why}")
+    else:
+        kinds = chosen
+        print(f"GPU devices: {', '.join(kinds) or 'none'} (--gpu)")
+    # Only on the real root: a staging root's groups are the target's business.
+    groups = [g for g in device_groups(kinds) if _group_exists(g)] if root == Path("/") else []
     for line in install(root, exec_path, args.user, create_user,
-                        lambda cmd: subprocess.run(cmd, check=True)):
+                        lambda cmd: subprocess.run(cmd, check=True), kinds, groups):
         print(line)
     if root == Path("/"):
         print("next: systemctl daemon-reload && systemctl enable --now gpuvisor")
     return 0
+
+
+def _group_exists(name: str) -> bool:
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        return False
+    return True
 
 
 def _user_exists(name: str) -> bool:

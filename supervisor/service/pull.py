@@ -1,5 +1,7 @@
 """``gpuvisor pull REPO[@REV][:QUANT]``: a download job on the running service,
-followed live with a progress bar until it ends. Ctrl-C cancels the job."""
+followed live with a progress bar until it ends. Ctrl-C cancels the job.
+Success is the model id ``/v1/models`` lists, read back from the service
+(supervisor/service/pull_listed.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import msgspec
 from jobs.download_params import parse_pull_spec
 from jobs.errors import FieldValueError
 from supervisor.config import Config
-from supervisor.service import key_advice
+from supervisor.models.hub_cache import OFF
+from supervisor.service import key_advice, pull_listed
 
 
 def add_subcommand(sub: Any) -> argparse.ArgumentParser:
@@ -23,6 +26,8 @@ def add_subcommand(sub: Any) -> argparse.ArgumentParser:
                     help="e.g. Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M")
     sp.add_argument("--url", help="service URL (default: from host/port in the config)")
     sp.add_argument("--token", help="admin token (default: GPUVISOR_TOKEN, then admin_token)")
+    sp.add_argument("--wait", type=float, default=30.0, metavar="SECONDS",
+                    help="how long to wait for the service to list the model (default: 30)")
     return sp
 
 
@@ -89,16 +94,26 @@ async def pull(args: argparse.Namespace, cfg: Config, url: str, cred: key_advice
         print(f"pulling {args.spec} (job {job_id})", file=out)
         try:
             # A Hub the service could not reach: the job's error is the advice (jobs/hub_advice.py).
-            code, _ = await _follow(http, f"{url}/api/jobs/{job_id}/events", out)
-            return code
+            result = await _follow(http, f"{url}/api/jobs/{job_id}/events", out)
         except (KeyboardInterrupt, aiohttp.ClientError) as exc:
             await http.post(f"{url}/api/jobs/{job_id}/cancel")
             print(f"\ncancelled ({type(exc).__name__})", file=out)
             return 130
+        if result is None:
+            return 1
+        try:
+            verdict = await pull_listed.check(http, url, result, args.wait,
+                                              scan_off=cfg.hf_cache_dir.strip().lower() == OFF)
+        except aiohttp.ClientError as exc:
+            print(f"gpuvisor: the download is done, but the model list could not be read: {exc}", file=out)
+            return 1
+        for line in verdict.lines:
+            print(line, file=out)
+        return verdict.code
 
 
-async def _follow(http: aiohttp.ClientSession, url: str, out: TextIO) -> tuple[int, str]:
-    """Render the job's events until it ends: (exit code, the job's error)."""
+async def _follow(http: aiohttp.ClientSession, url: str, out: TextIO) -> dict[str, Any] | None:
+    """Render the job's events until it ends: its result, or None when it did not succeed."""
     async for kind, event in _events(http, url):
         if kind == "progress":
             print("\r" + render_progress(event.get("data", {})), end="", file=out, flush=True)
@@ -107,10 +122,8 @@ async def _follow(http: aiohttp.ClientSession, url: str, out: TextIO) -> tuple[i
         elif kind == "end":
             print("", file=out)
             if event["status"] == "succeeded":
-                result = event.get("result") or {}
-                print(f"done: model {result.get('model_id', '?')} is in the library", file=out)
-                return 0, ""
-            error = str(event.get("error") or "")
-            print(f"{event['status']}: {error}", file=out)
-            return 1, error
-    return 1, "the event stream ended before the job did"
+                return dict(event.get("result") or {})
+            print(f"{event['status']}: {event.get('error') or ''}", file=out)
+            return None
+    print("gpuvisor: the event stream ended before the job did", file=out)
+    return None

@@ -13,13 +13,14 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from supervisor.appkeys import DB, LEASE, POOL
+from supervisor.service.unit_devices import ALL_KINDS, GpuKind, device_rules
 
 log = logging.getLogger("gpuvisor.systemd")
 
@@ -189,7 +190,9 @@ ExecStart={exec_start} serve --config /etc/gpuvisor/config.toml
 # SIGHUP: scan the models dirs again (`systemctl reload gpuvisor`).
 ExecReload=/bin/kill -HUP $MAINPID
 EnvironmentFile=-/etc/gpuvisor/gpuvisor.env
-Environment=PYTHONUNBUFFERED=1 HOME=/var/lib/gpuvisor
+# HF_HOME: the Hugging Face cache that `gpuvisor pull` fills and the library
+# lists lives in the state dir, owned by the service user.
+Environment=PYTHONUNBUFFERED=1 HOME=/var/lib/gpuvisor HF_HOME=/var/lib/gpuvisor/huggingface
 User={user}
 Group={user}
 StateDirectory=gpuvisor
@@ -211,8 +214,9 @@ KillMode=mixed
 KillSignal=SIGTERM
 TimeoutStopSec=180
 
-# Hardening that keeps CUDA working: no PrivateDevices, no
-# MemoryDenyWriteExecute (CUDA and llama.cpp JIT), /dev/nvidia* allowed.
+# Hardening that keeps the GPU working: no PrivateDevices, no
+# MemoryDenyWriteExecute (CUDA, ROCm and llama.cpp JIT), and only the GPU
+# device nodes of the engine build ({gpu_kinds}) allowed.
 NoNewPrivileges=yes
 ProtectSystem=strict
 ProtectHome=yes
@@ -230,11 +234,7 @@ LockPersonality=yes
 CapabilityBoundingSet=
 RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
 DevicePolicy=closed
-DeviceAllow=char-nvidiactl rw
-DeviceAllow=char-nvidia-frontend rw
-DeviceAllow=char-nvidia-uvm rw
-DeviceAllow=char-nvidia-caps rw
-LimitNOFILE=65536
+{device_allow}LimitNOFILE=65536
 
 [Install]
 WantedBy=multi-user.target
@@ -243,8 +243,12 @@ WantedBy=multi-user.target
 DEFAULT_EXEC = "/opt/gpuvisor/venv/bin/gpuvisor"
 
 
-def render_unit(exec_start: str = DEFAULT_EXEC, user: str = "gpuvisor") -> str:
-    return UNIT_TEMPLATE.format(exec_start=exec_start, user=user)
+def render_unit(exec_start: str = DEFAULT_EXEC, user: str = "gpuvisor",
+                kinds: Sequence[GpuKind] = ALL_KINDS) -> str:
+    """The unit; ``kinds`` choose its GPU device rules (the shipped file allows all)."""
+    allow = "".join(f"DeviceAllow={rule}\n" for rule in device_rules(kinds))
+    return UNIT_TEMPLATE.format(exec_start=exec_start, user=user, device_allow=allow,
+                                gpu_kinds=", ".join(kinds) or "none: CPU only")
 
 
 CONFIG_TEMPLATE = """\
@@ -266,24 +270,33 @@ ENV_TEMPLATE = """\
 """
 
 
-def install_plan(root: Path, exec_start: str, user: str) -> list[tuple[Path, str, int, bool]]:
+def install_plan(root: Path, exec_start: str, user: str,
+                 kinds: Sequence[GpuKind] = ALL_KINDS) -> list[tuple[Path, str, int, bool]]:
     """(path, content, mode, overwrite) for each file; config is never overwritten."""
     return [
-        (root / "etc/systemd/system/gpuvisor.service", render_unit(exec_start, user), 0o644, True),
+        (root / "etc/systemd/system/gpuvisor.service", render_unit(exec_start, user, kinds), 0o644, True),
         (root / "etc/gpuvisor/config.toml", CONFIG_TEMPLATE, 0o644, False),
         (root / "etc/gpuvisor/gpuvisor.env", ENV_TEMPLATE, 0o640, False),
     ]
 
 
 def install(root: Path, exec_start: str, user: str, create_user: bool,
-            run: Callable[[list[str]], Any]) -> list[str]:
-    """Write the unit and config skeleton; returns what was done, line by line."""
+            run: Callable[[list[str]], Any], kinds: Sequence[GpuKind] = ALL_KINDS,
+            groups: Sequence[str] = ()) -> list[str]:
+    """Write the unit and config skeleton; returns what was done, line by line.
+
+    ``groups`` (those of :func:`device_groups` that exist here) are added to
+    the user: DRM and KFD nodes are usually group ``render``/``video``, 0660.
+    """
     done: list[str] = []
     if create_user:
         run(["useradd", "--system", "--user-group", "--home-dir", "/var/lib/gpuvisor",
              "--no-create-home", "--shell", "/usr/sbin/nologin", user])
         done.append(f"created system user {user}")
-    for path, content, mode, overwrite in install_plan(root, exec_start, user):
+    if groups:
+        run(["usermod", "--append", "--groups", ",".join(groups), user])
+        done.append(f"added {user} to the groups {', '.join(groups)} (GPU device nodes)")
+    for path, content, mode, overwrite in install_plan(root, exec_start, user, kinds):
         if path.exists() and not overwrite:
             done.append(f"kept {path}")
             continue

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from supervisor.errors import BadRequest, Unavailable
 from supervisor.models.adapters import AdapterEntry, AdapterLink
-from supervisor.workers.handle import WorkerHandle
+from supervisor.workers.handle import WorkerHandle, WorkerState
 
 # Bounds on a request's ``lora_scale``: 0 runs the base alone, 1 the adapter
 # as trained; above that it is amplified.
@@ -60,8 +60,11 @@ def plan(models: _Pairs, model_id: str, scale: float | None) -> Route:
 
 def needs_restart(route: Route, handle: WorkerHandle | None) -> bool:
     """Whether the base's running worker lacks the adapter (then it is restarted
-    when idle, which loads every adapter that fits it now); busy: 503."""
+    when idle, which loads every adapter that fits it now); busy: 503. A
+    failed base is not restarted by a request: it stays failed until loaded."""
     if not route.adapter or handle is None or Path(route.adapter) in handle.spec.lora:
+        return False
+    if handle.state is WorkerState.FAILED:
         return False
     if handle.busy:
         raise Unavailable(f"the worker of {route.model} is busy; it restarts to load adapter "

@@ -1,6 +1,6 @@
 """Does the installed engine build match the machine's GPUs?
 
-A CPU-only engine on a machine with NVIDIA GPUs runs every model on the CPU
+A CPU-only engine on a machine with NVIDIA or AMD GPUs runs every model on the CPU
 however many layers are asked for: say so once at start and in ``/api/gpu``.
 The engine is probed in a subprocess (the parent never imports it).
 """
@@ -10,18 +10,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import subprocess
 import sys
 
 import msgspec
 
-from supervisor.models.memory import parse_smi, run_nvidia_smi
+from supervisor.models.devices import DeviceReadError, DeviceSource, SystemSource
 
 log = logging.getLogger("gpuvisor.engine")
 
 
 class EngineBuild(msgspec.Struct):
-    # GPUs nvidia-smi reports, and GPU devices the engine build can use.
+    # GPUs the driver tools report, and GPU devices the engine build can use.
     machine_gpus: int = 0
     engine_gpus: list[str] = []
     checked: bool = False
@@ -41,14 +40,12 @@ async def _engine_gpus() -> list[str]:
     return [str(g) for g in json.loads(out)["gpu_devices"]]
 
 
-async def check_engine_build() -> EngineBuild:
+async def check_engine_build(source: DeviceSource | None = None) -> EngineBuild:
+    source = SystemSource() if source is None else source
     try:
-        machine = len(parse_smi(await asyncio.to_thread(run_nvidia_smi)))
-    except (OSError, ValueError) as exc:
-        log.debug("no NVIDIA GPU seen: %s", exc)
-        return EngineBuild(checked=True)
-    except subprocess.SubprocessError as exc:  # a broken driver: nvidia-smi fails or hangs
-        log.warning("nvidia-smi failed: %s", exc)
+        machine = len(await asyncio.to_thread(source.read))
+    except DeviceReadError as exc:  # a broken driver: its tool fails or hangs
+        log.warning("cannot read the GPUs: %s", exc)
         return EngineBuild(checked=True)
     if machine == 0:
         return EngineBuild(checked=True)
@@ -58,7 +55,7 @@ async def check_engine_build() -> EngineBuild:
         return EngineBuild(machine, [], True, f"could not probe the engine build: {exc}")
     warning = None
     if not engine:
-        warning = (f"nvidia-smi shows {machine} GPU(s) but the installed engine is its CPU build: "
+        warning = (f"the driver shows {machine} GPU(s) but the installed engine is its CPU build: "
                    "models run on the CPU; install the GPU build (README, 'GPU')")
         log.warning(warning)
     return EngineBuild(machine, engine, True, warning)

@@ -88,6 +88,9 @@ class WorkerHandle:
         # Whether a crash counts toward crash_limit, given the requests in flight
         # (the pool's poison-request rule, supervisor/workers/poison.py).
         self.crash_counts: Callable[[list[Pending]], bool] = lambda _in_flight: True
+        # Told when the worker is marked failed (its process is gone for good):
+        # the pool then takes it off the lease's books, and keeps it in its own.
+        self.on_failed: Callable[[], None] = lambda: None
         self.ready = asyncio.Event()
         self.changed = asyncio.Event()
         self.process = WorkerProcess(spec, timing, run_dir, log_dir, self.clock, id(self))
@@ -241,6 +244,7 @@ class WorkerHandle:
             self.log_tail = self.process.log_tail()
         self._set_state(WorkerState.FAILED)
         self.requests.fail_all("model_failed", reason)
+        self.on_failed()
 
     async def _backoff(self) -> bool:
         """Wait before a restart; True when a stop arrived meanwhile."""

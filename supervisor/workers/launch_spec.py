@@ -49,7 +49,8 @@ def build_spec(key: tuple[str, bool], entry: ModelEntry, settings: ModelSettings
                       tensor_split=tuple(placed.tensor_split),
                       # An hf model runs in a vLLM worker, from the vLLM environment.
                       engine="vllm" if entry.kind == "hf" else "llamacpp",
-                      python=vllm_python if entry.kind == "hf" else "")
+                      python=vllm_python if entry.kind == "hf" else "",
+                      model_bytes=entry.size_bytes)
 
 
 def unchanged(handle: WorkerHandle, entry: ModelEntry, options: ModelSettings | None,

@@ -15,6 +15,7 @@ pool shows of its workers in supervisor/workers/views.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +44,7 @@ from supervisor.workers.crash_keys import KeyCrashes, crash_counts
 from supervisor.workers.poison import PoisonTracker
 from supervisor.workers.queue import Pending, WorkerGone
 from supervisor.workers.replies import Generation, as_api_error
-from supervisor.workers.room import Room
+from supervisor.workers.room import Room, holds_memory
 from supervisor.workers.spec import Timing
 from supervisor.workers.views import describe
 from worker import protocol as p
@@ -208,6 +209,7 @@ class WorkerPool:
         handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit, self._clock)
         handle.keep_alive = parse_duration(settings.keep_alive or 0)
         handle.crash_counts = lambda in_flight: crash_counts(self.poison, self.crash_keys, model_id, in_flight)
+        handle.on_failed = functools.partial(self._failed, key, handle)
         self.handles[key] = handle
         self.fits[key] = decision
         self.placements[key] = placed
@@ -224,6 +226,13 @@ class WorkerPool:
         if self.bookings is not None:
             self.bookings.unbook_worker(booking_key(key))
         return self.handles.pop(key, None)
+
+    def _failed(self, key: tuple[str, bool], handle: WorkerHandle) -> None:
+        """A worker was marked failed: it uses no device now. It stays in the
+        pool, failed with its reason, until the model is loaded again
+        explicitly or unloaded (nothing evicts it: supervisor/workers/room.py)."""
+        if self.handles.get(key) is handle and self.bookings is not None:
+            self.bookings.unbook_worker(booking_key(key))
 
     async def _drop(self, key: tuple[str, bool], reason: str) -> None:
         handle = self._forget(key)
@@ -271,8 +280,10 @@ class WorkerPool:
         await asyncio.gather(*(h.stop(reason) for h in handles))
 
     async def vacate(self, device: str, drain_timeout: float, reason: str) -> None:
-        """GPU lease hook: idle workers go now, busy ones drain, all are stopped."""
-        victims = [(k, h) for k, h in self.handles.items() if device in worker_devices(h)]
+        """GPU lease hook: idle workers go now, busy ones drain, all are stopped.
+        A failed worker has no process there and stays, failed."""
+        victims = [(k, h) for k, h in self.handles.items()
+                   if device in worker_devices(h) and holds_memory(h)]
         freed = [(self.placements[k], fit.needed_bytes) for k, _ in victims
                  if k in self.placements and (fit := self.fits.get(k)) is not None]
         if self.room.gpus is not None and freed:

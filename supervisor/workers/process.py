@@ -124,12 +124,13 @@ class WorkerProcess:
                             connected: asyncio.Future[Any]) -> None:
         """Wait for ``connected`` (a connection, then the hello), reporting load progress.
 
-        Progress is the worker's resident memory against the model file size;
-        the load fails when that stops growing for ``load_stall_timeout``
-        (a big model may take minutes, a stuck one should not), or when the
-        whole handshake takes longer than ``handshake_timeout``.
+        Progress is the worker's resident memory against the size of the
+        model's files (every shard: :func:`load_size`); the load fails when
+        that stops growing for ``load_stall_timeout`` (a big model may take
+        minutes, a stuck one should not), or when the whole handshake takes
+        longer than ``handshake_timeout``.
         """
-        size = max(1, self.spec.path.stat().st_size if self.spec.path.exists() else 1)
+        size = load_size(self.spec)
         exited = asyncio.ensure_future(proc.wait())
         start = last_growth = self.clock()
         last_rss = 0
@@ -240,6 +241,17 @@ class WorkerProcess:
             _engine_socket(self._sock).unlink(missing_ok=True)
         self._proc = None
         return proc.returncode
+
+
+def load_size(spec: WorkerSpec) -> int:
+    """The bytes a worker loads: all of the model's files as the library
+    counted them, else (a spec made without it) the size of its path."""
+    if spec.model_bytes > 0:
+        return spec.model_bytes
+    try:
+        return max(1, spec.path.stat().st_size)
+    except OSError:
+        return 1  # gone or unreadable: the worker's load fails and says why
 
 
 def worker_environ(spec: WorkerSpec) -> dict[str, str]:

@@ -31,6 +31,12 @@ log = logging.getLogger("gpuvisor.pool")
 Key = tuple[str, bool]  # (model, embedding)
 
 
+def holds_memory(h: WorkerHandle) -> bool:
+    """Whether the worker has (or is about to have) a process holding memory:
+    failed and stopped ones hold none."""
+    return h.state not in (WorkerState.FAILED, WorkerState.STOPPED)
+
+
 class RoomConfig(Protocol):
     n_ctx: int
     max_loaded_models: int
@@ -81,7 +87,9 @@ class Room:
                     parallel: int, embedding: bool,
                     draft: SpeculativePlan | None) -> tuple[ContextDecision | None, GpuPlacement]:
         """One look at the memory and the plan in it; DoesNotFit when it does not fit."""
-        committed = [f.needed_bytes for f in self.fits.values() if f is not None]
+        # A failed worker runs no process: what it was planned to use is free.
+        committed = [f.needed_bytes for k, f in self.fits.items()
+                     if f is not None and k in self.handles and holds_memory(self.handles[k])]
 
         def plan(free: int, kind: str) -> ContextDecision | None:
             return plan_load(entry, settings, explicit_ctx=explicit_ctx, target_ctx=self.cfg.n_ctx,
@@ -141,14 +149,17 @@ class Room:
                     f"'{model_id}' cannot be loaded now", retry_after=5, code="no_capacity")
 
     def live(self) -> list[WorkerHandle]:
-        # Failed and stopped handles hold no process and no memory.
-        return [h for h in self.handles.values()
-                if h.state not in (WorkerState.FAILED, WorkerState.STOPPED)]
+        return [h for h in self.handles.values() if holds_memory(h)]
 
     async def evict_lru(self, reason: str) -> bool:
-        """Stop the least recently used idle worker; False when none is idle."""
+        """Stop the least recently used idle worker; False when none is idle.
+
+        A failed model is never taken: it frees nothing (its process is gone),
+        and dropping it would drop its failed state, so the next request
+        would load it again instead of being told it failed.
+        """
         idle = [(h.last_used, key) for key, h in self.handles.items()
-                if not h.busy and h.state is not WorkerState.STARTING]
+                if not h.busy and holds_memory(h) and h.state is not WorkerState.STARTING]
         if not idle:
             return False
         _, key = min(idle)

@@ -36,6 +36,10 @@ class WorkerSpec:
     # worker: "" = the parent's own (vLLM workers run from their own venv).
     engine: str = "llamacpp"
     python: str = ""
+    # The bytes of every file of the model (all shards of a split GGUF, an
+    # hf model's weights): what load progress is measured against. 0: the
+    # size of ``path`` alone.
+    model_bytes: int = 0
 
 
 @dataclass(frozen=True)
