@@ -155,3 +155,25 @@ def test_healthz_with_auth_on_says_only_ok_or_degraded() -> None:
         assert anonymous.json() == {"status": "degraded"}, anonymous.text
     finally:
         srv.cleanup()
+
+
+def test_a_keys_only_deployment_is_warned_about_at_start() -> None:
+    """Keys without an admin token make every key an admin: said at start."""
+    warning = "no admin token: every key has admin rights"
+    srv = Server(short_tempdir("gvm"))
+    try:
+        srv.start()
+        assert warning not in srv.log_text()  # no keys: nothing to warn about
+        _key(srv, "alice")
+        srv.restart()
+        assert warning in srv.log_text()
+    finally:
+        srv.cleanup()
+    admin = Server(short_tempdir("gvm"), env={"GPUVISOR_ADMIN_TOKEN": ADMIN})
+    try:
+        admin.start()
+        _key(admin, "bob")
+        admin.restart()
+        assert warning not in admin.log_text()
+    finally:
+        admin.cleanup()

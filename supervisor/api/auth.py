@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -87,6 +88,8 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz", "/login"})
 PROBE_PATHS = frozenset({"/healthz", "/readyz"})
 # Ours are ~55 characters; a longer bearer is no credential of ours.
 MAX_TOKEN_CHARS = 256
+
+log = logging.getLogger("gpuvisor.auth")
 
 
 class Forbidden(ApiError):
@@ -404,7 +407,13 @@ class _HealthWord(msgspec.Struct):
 
 async def keys_ctx(app: web.Application) -> AsyncIterator[None]:
     """Database keys become visible once the database is open."""
-    app[AUTH].store = KeyStore(app[DB])
+    gate = app[AUTH]
+    gate.store = KeyStore(app[DB])
+    if not gate.admin_token and (gate.config_keys or await gate.store.any_active()):
+        # A keys-only deployment: every key is an admin (another key's jobs are
+        # its to read and delete). Said once, where an operator looks.
+        log.warning("API keys are set but no admin token: every key has admin rights (each sees, "
+                    "cancels and deletes every job); set admin_token to give keys their own scope")
     yield
     app[AUTH].store = None
 
