@@ -204,6 +204,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # 0 = off (a single-user machine, where every request comes from one caller).
     caller_crash_limit: Annotated[int, msgspec.Meta(ge=0)] = 3
     caller_crash_window_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
+    # Seconds a request may wait in a model's queue for a slot (while the
+    # worker serves; a load or a restart does not count); past it, 503 queue_timeout with
+    # Retry-After. Two minutes: longer than a normal burst takes to drain,
+    # short enough that a client learns the model is pinned and can retry or
+    # go elsewhere, well inside SDK timeouts (OpenAI's: 600 s). 0 = no limit.
+    queue_timeout_s: Annotated[float, msgspec.Meta(ge=0.0)] = 120.0
     # Responses API: stored responses are kept this long (0 = forever).
     responses_retention_days: float = 30.0
     responses_keepalive_s: float = 10.0

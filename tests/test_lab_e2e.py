@@ -118,6 +118,9 @@ def test_job_waits_for_a_stream_then_inference_gets_503(models_dir: Path,
 
 def test_stream_cut_after_drain_timeout_with_clear_error(models_dir: Path,
                                                          start_server: Callable[..., Server]) -> None:
+    # A model trained for the whole context: the stream must outlast the drain
+    # timeout, which 2,000 tokens (the fixture's context) did not always do.
+    write_tiny_gguf(models_dir / "tiny.gguf", n_embd=256, n_ff=512, n_ctx=32768)
     srv = start_server(models_dir, env={"GPUVISOR_N_CTX": "32768", "GPUVISOR_DRAIN_TIMEOUT": "1"})
     out: dict[str, Any] = {"started": threading.Event()}
     streamer = threading.Thread(target=_stream, args=(srv, 30000, out))

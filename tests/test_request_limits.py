@@ -61,7 +61,7 @@ def timed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def test_the_defaults_show_in_the_model_view(server: Server) -> None:
-    assert _limits(server) == {"default_max_tokens": 16384, "request_timeout_s": 600.0}
+    assert _limits(server) == {"default_max_tokens": 16384, "request_timeout_s": 600.0, "queue_timeout_s": 120.0}
 
 
 def test_a_request_without_a_limit_ends_by_the_default_cap(capped: Server) -> None:
@@ -78,7 +78,7 @@ def test_a_request_without_a_limit_ends_by_the_default_cap(capped: Server) -> No
 
 
 def test_the_clock_ends_a_request_as_length(timed: Server) -> None:
-    assert _limits(timed) == {"default_max_tokens": None, "request_timeout_s": TIME_LIMIT}
+    assert _limits(timed) == {"default_max_tokens": None, "request_timeout_s": TIME_LIMIT, "queue_timeout_s": 120.0}
     started = time.monotonic()
     body = _chat(timed).json()
     took = time.monotonic() - started

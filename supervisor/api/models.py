@@ -93,7 +93,8 @@ def describe_model(entry: ModelEntry, pool: WorkerPool, for_user: bool = False) 
         "structured_output": _structured_output(pool, entry),
         # The runaway guard, for requests that set no limit of their own.
         "limits": {"default_max_tokens": pool.cfg.default_max_tokens or None,
-                   "request_timeout_s": pool.cfg.request_timeout_s or None},
+                   "request_timeout_s": pool.cfg.request_timeout_s or None,
+                   "queue_timeout_s": pool.cfg.queue_timeout_s or None},
     }
 
 

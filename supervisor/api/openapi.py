@@ -107,7 +107,7 @@ ROUTES: tuple[Operation, ...] = (
     Operation("GET", "/v1/responses/{response_id}", "Retrieve a stored response, or stream a background one's events",
               "responses", params=(
                   _q("stream", _BOOL_TEXT, "Stream a background response's stored and further events (SSE)."),
-                  _q("starting_after", {"type": "integer", "minimum": -1},
+                  _q("starting_after", {"type": "integer", "minimum": -1, "maximum": 2**63 - 1},
                      "With stream: the sequence number after which events start (default -1: all)."),
               ), media=(JSON, SSE), errors=(400, 404), path_descriptions=_RESPONSE_ID),
     Operation("DELETE", "/v1/responses/{response_id}", "Delete a stored response", "responses",

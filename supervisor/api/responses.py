@@ -97,15 +97,24 @@ def _flag(raw: str, param: str) -> bool:
     raise BadRequest(f"{param} must be true or false, got {raw!r}", param=param)
 
 
+# Event sequence numbers are SQLite integers: a cursor past them is refused
+# here, before the stream's head, rather than overflowing inside its body.
+MAX_SEQUENCE = 2**63 - 1
+
+
 def _starting_after(raw: str | None) -> int:
+    """The cursor, strictly: ``-1`` or ASCII digits (int() would also take
+    ``+5``, `` 7`` and other scripts' digits), at most ``MAX_SEQUENCE``."""
     if raw is None:
         return -1
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise BadRequest(f"starting_after must be an integer, got {raw!r}", param="starting_after") from exc
+    digits = raw[1:] if raw.startswith("-") else raw
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > len(str(MAX_SEQUENCE)):
+        raise BadRequest(f"starting_after must be an integer, got {raw!r}", param="starting_after")
+    value = int(raw)
     if value < -1:
         raise BadRequest("starting_after must be -1 or more", param="starting_after")
+    if value > MAX_SEQUENCE:
+        raise BadRequest(f"starting_after must be at most {MAX_SEQUENCE}", param="starting_after")
     return value
 
 

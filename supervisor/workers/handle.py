@@ -68,7 +68,8 @@ _DISPATCHING = (WorkerState.READY, WorkerState.DRAINING)
 
 class WorkerHandle:
     def __init__(self, spec: WorkerSpec, timing: Timing, run_dir: Path, log_dir: Path,
-                 queue_limit: int, clock: Callable[[], float] | None = None) -> None:
+                 queue_limit: int, clock: Callable[[], float] | None = None, *,
+                 queue_timeout: float = 0.0) -> None:
         self.spec = spec
         self.timing = timing
         self.run_dir = run_dir
@@ -95,7 +96,8 @@ class WorkerHandle:
         self.changed = asyncio.Event()
         self.process = WorkerProcess(spec, timing, run_dir, log_dir, self.clock, id(self))
         self.requests = RequestQueue(spec.model_id, spec.parallel, queue_limit, self.process,
-                                     self.clock, self.changed, lambda: self.state in _DISPATCHING)
+                                     self.clock, self.changed, lambda: self.state in _DISPATCHING,
+                                     wait_limit=queue_timeout)
         self._stop_requested = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # The log's last lines at the last crash or failure.

@@ -51,7 +51,9 @@ def fingerprint(model_id: str, msg: Message) -> str:
     else:
         content = ("tokenize", msg.text, msg.add_special)
     # Sorted keys: the same JSON object in another key order is the same request.
-    body = msgspec.msgpack.encode((model_id, content), order="sorted")
+    # JSON, not msgpack: a request's JSON may hold integers beyond 64 bits (a
+    # tool schema's), which msgpack cannot encode; JSON writes any integer.
+    body = msgspec.json.encode((model_id, content), order="sorted")
     return hashlib.sha256(body).hexdigest()
 
 

@@ -77,6 +77,8 @@ class PoolConfig(Protocol):
     # refused (supervisor/workers/crash_keys.py); 0 = no refusal per caller.
     caller_crash_limit: int
     caller_crash_window_s: float
+    # Seconds a request may wait for a slot (0 = no limit): supervisor/workers/queue.py.
+    queue_timeout_s: float
 
     def model_settings(self, model_id: str) -> ModelSettings: ...
 
@@ -206,7 +208,8 @@ class WorkerPool:
                                       n_threads=self.cfg.n_threads, default_ctx=self.cfg.n_ctx,
                                       device=self.device, pinned=self.room.gpus is not None,
                                       vllm_python=self.cfg.vllm_python)
-        handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit, self._clock)
+        handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit, self._clock,
+                              queue_timeout=self.cfg.queue_timeout_s)
         handle.keep_alive = parse_duration(settings.keep_alive or 0)
         handle.crash_counts = lambda in_flight: crash_counts(self.poison, self.crash_keys, model_id, in_flight)
         handle.on_failed = functools.partial(self._failed, key, handle)
@@ -345,8 +348,9 @@ class WorkerPool:
         ``lora_scale`` scales the adapter of a ``<base>:<adapter>`` model.
         ``caller`` is who asked (supervisor/api/callers.py): crashes are blamed on it.
         The runaway guard applies here, to every API alike: a request with no
-        token limit gets ``default_max_tokens``, and ``request_timeout_s``
-        bounds how long it runs.
+        token limit gets ``default_max_tokens``, a limit above the model's
+        context is clamped to it (``output_ceiling``), and
+        ``request_timeout_s`` bounds how long it runs.
         """
         route = await self._route(model, lora_scale)
         handle = await self.load(route.model)
@@ -355,6 +359,7 @@ class WorkerPool:
         params = params or p.SamplingParams()
         if params.max_tokens is None and self.cfg.default_max_tokens:
             params = msgspec.structs.replace(params, max_tokens=self.cfg.default_max_tokens)
+        params = output_ceiling(handle, model, params, request_id)
         msg = p.Generate(0, params, messages, prompt, tools,
                          template_vars or {}, request_id, images or [],
                          adapter=route.adapter, adapter_scale=route.scale)
@@ -402,3 +407,22 @@ class WorkerPool:
     def readiness(self) -> dict[str, bool]:
         """Per model with a generation worker: does it serve chat and completions?"""
         return views.readiness(self.handles)
+
+
+def output_ceiling(handle: WorkerHandle, model: str, params: p.SamplingParams,
+                   request_id: str = "") -> p.SamplingParams:
+    """A token limit within the model's context: no request can write more
+    tokens than its slot holds (the prompt included), so a larger limit (the
+    chat page's 100000, 2^63, more than 64 bits) is clamped to the context,
+    and the engine stops where the slot is full (``length``). Clamped, not
+    refused: clients ask for "as much as you can" with a big number, and
+    llama.cpp's own server takes it so. The context is the worker's own once
+    its facts are in, else the one it is started with, so a request need
+    not wait for the load."""
+    limit = params.max_tokens
+    ceiling = handle.facts.n_ctx if handle.facts is not None else handle.spec.n_ctx
+    if limit is None or not 0 < ceiling < limit:
+        return params
+    # Debug, not info: the chat page asks for more than any context on every turn.
+    log.debug("%s: max_tokens %d clamped to the context of %s (%d)", request_id or "request", limit, model, ceiling)
+    return msgspec.structs.replace(params, max_tokens=ceiling)
