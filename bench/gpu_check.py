@@ -3,15 +3,21 @@ engine's GPU build is installed) a model served on the GPU.
 
 Reports, as one JSON object and a few lines of text:
 - the GPUs (nvidia-smi), torch's CUDA, the engine build's GPU devices;
-- finetune: the device the lease gave the job, the job's CUDA_VISIBLE_DEVICES
-  (read from the running process), its peak VRAM (nvidia-smi, per process)
-  against a rough estimate, training tokens/s;
+- finetune: on every GPU of the machine (``--ft-gpus``; data-parallel, one
+  rank per GPU, when there are two or more; with one GPU it runs on that
+  one and says so): the devices the lease gave the job, the job's
+  CUDA_VISIBLE_DEVICES (read from the running process), each GPU's peak
+  memory use while it ran (nvidia-smi's memory.used, per GPU) and its
+  processes' peak VRAM, each rank's torch.cuda.max_memory_allocated against
+  the job's own estimate, training tokens/s;
 - serving: the placement shown in /api/models, the VRAM the worker took
   (free memory before and after the load) against the memory fit's
   estimate, and tokens/s at 1, 4 and 16 concurrent streams.
 
-``--cpu-dry-run`` runs the same steps on the CPU (the lease's ``cpu``
-device), so the script is exercised where there is no GPU. Run by
+``--cpu-dry-run`` runs the same steps on the CPU, so the script is
+exercised where there is no GPU: the fine-tune books ``--ft-gpus`` (default
+2) configured devices that this torch cannot use, so it runs that many CPU
+ranks over gloo. Run by
 bench/gpu_check.sh; in the repository: ``python -m bench.gpu_check --cpu-dry-run``.
 """
 
@@ -92,16 +98,35 @@ def engine_gpus() -> list[str]:
     return [str(g) for g in json.loads(done.stdout)["gpu_devices"]]
 
 
-def finetune_estimate_mib(hidden: int, layers: int, vocab: int, batch: int, seq: int, bytes_per: int) -> int:
-    """A rough VRAM estimate of the finetune: weights, LoRA (r=16, q/k/v/o) with
-    grads and Adam states, activations kept for backward, and the CUDA context."""
-    weights = (layers * (4 * hidden * hidden + 3 * hidden * 4 * hidden) + 2 * vocab * hidden) * bytes_per
-    lora = layers * 4 * 2 * 16 * hidden * (4 + 4 + 8)
-    activations = batch * seq * layers * hidden * 34 * bytes_per + batch * seq * vocab * 4 * 2
-    return (weights + lora + activations) // MIB + 500
+def gpu_used_mib() -> dict[int, int]:
+    """MiB in use on each GPU now (nvidia-smi's memory.used); {} without it."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    used: dict[int, int] = {}
+    for line in out.splitlines():
+        index, _, mem = line.partition(",")
+        if index.strip().isdigit() and mem.strip().isdigit():
+            used[int(index)] = int(mem)
+    return used
 
 
-async def finetune_check(work: Path, cpu: bool, steps: int, hidden: int, layers: int) -> dict[str, Any]:
+def _ft_devices(cpu: bool, want: int) -> tuple[list[str], str]:
+    """The lease's devices for the fine-tune, and what the check says of them."""
+    if cpu:
+        n = want or 2
+        return [f"cuda:{i}" for i in range(n)], f"CPU dry run: {n} simulated devices, {n} CPU ranks over gloo"
+    found = [g for g in gpus() if "index" in g]
+    n = min(want or len(found), len(found))
+    if n >= 2:
+        return [], f"{len(found)} GPUs: the fine-tune runs data-parallel on {n} of them, one rank per GPU"
+    return [], "one GPU: the fine-tune runs on one (data-parallel needs two or more)"
+
+
+async def finetune_check(work: Path, cpu: bool, steps: int, hidden: int, layers: int,
+                         want_gpus: int) -> dict[str, Any]:
     roots = Roots(work / "models", work / "datasets", work / "outputs")
     for d in roots.all():
         d.mkdir(parents=True, exist_ok=True)
@@ -110,7 +135,12 @@ async def finetune_check(work: Path, cpu: bool, steps: int, hidden: int, layers:
                           num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
                           num_key_value_heads=max(1, hidden // 64), max_position_embeddings=1024)
     tiny.write_chat_dataset(roots.datasets / "check.jsonl", repeats=64)
-    lease = await build_lease(["cpu"] if cpu else ())
+    configured, note = _ft_devices(cpu, want_gpus)
+    print(note, file=sys.stderr)
+    lease = await build_lease(configured)
+    n_gpus = want_gpus or len(lease.devices)
+    if not 1 <= n_gpus <= len(lease.devices):
+        raise SystemExit(f"--ft-gpus {want_gpus}: the lease has {len(lease.devices)} devices")
     db = Database(work / "state" / "jobs.db", JOBS_MIGRATIONS)
     (work / "state").mkdir(exist_ok=True)
     await db.open()
@@ -122,9 +152,10 @@ async def finetune_check(work: Path, cpu: bool, steps: int, hidden: int, layers:
         params = validate_params("finetune", {
             "model": "check-hf", "train": "check.jsonl", "max_steps": steps, "batch_size": batch,
             "gradient_accumulation_steps": 1, "max_seq_len": seq, "save_steps": 100_000, "merge": False,
+            "gpus": n_gpus,
         }, ResolveContext(roots))
         job, _ = await runner.submit("finetune", params)
-        seen: dict[str, Any] = {"peak_vram_mib": 0}
+        seen: dict[str, Any] = {"peak_vram_mib": 0, "gpu_peak_used_mib": {}, "gpu_idle_used_mib": gpu_used_mib()}
         while not (current := await store.get(job.id)).finished:
             _watch(current.pid, lease.snapshot(), seen)
             await asyncio.sleep(0.2)
@@ -133,11 +164,18 @@ async def finetune_check(work: Path, cpu: bool, steps: int, hidden: int, layers:
         await db.close()
     if current.status != "succeeded" or current.result is None:
         raise SystemExit(f"finetune job {current.status}: {current.error}")
-    vocab = json.loads((roots.models / "check-hf" / "config.json").read_text())["vocab_size"]
-    estimate = finetune_estimate_mib(hidden, layers, vocab, batch, seq, 2 if not cpu else 4)
-    return {"devices": seen.get("devices"), "cuda_visible_devices": seen.get("cuda_visible_devices"),
-            "peak_vram_mib": seen["peak_vram_mib"], "estimate_vram_mib": None if cpu else estimate,
-            "tokens_per_s": current.result["tokens_per_s"], "steps": current.result["steps"]}
+    result = current.result
+    ranks = result.get("ranks") or [{"rank": 0, "memory": result["memory"]}]
+    per_rank = [{"rank": r["rank"], "device": r["memory"]["device"],
+                 "peak_mib": r["memory"]["peak_bytes"] // MIB, "measured_by": r["memory"]["measured_by"],
+                 "estimate_mib": (r["memory"]["estimate_bytes"] or 0) // MIB,
+                 "before_load_mib": r["memory"]["before_load_bytes"] // MIB,
+                 "samples": r.get("samples")} for r in ranks]
+    return {"note": note, "world_size": result.get("world_size", 1), "devices": seen.get("devices"),
+            "cuda_visible_devices": seen.get("cuda_visible_devices"),
+            "gpu_idle_used_mib": seen["gpu_idle_used_mib"], "gpu_peak_used_mib": seen["gpu_peak_used_mib"],
+            "peak_vram_mib": seen["peak_vram_mib"], "ranks": per_rank,
+            "tokens_per_s": result["tokens_per_s"], "steps": result["steps"]}
 
 
 def _watch(pid: int | None, lease_state: dict[str, Any], seen: dict[str, Any]) -> None:
@@ -153,6 +191,9 @@ def _watch(pid: int | None, lease_state: dict[str, Any], seen: dict[str, Any]) -
         return  # it just ended
     used = process_vram_mib()
     seen["peak_vram_mib"] = max(seen["peak_vram_mib"], sum(used.get(p.pid, 0) for p in group))
+    peaks = seen["gpu_peak_used_mib"]
+    for index, mib in gpu_used_mib().items():
+        peaks[index] = max(peaks.get(index, 0), mib)
 
 
 def start_server(work: Path, streams: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -242,12 +283,28 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("torch sees no CUDA device: use --cpu-dry-run, or install a CUDA build of torch")
     with tempfile.TemporaryDirectory(prefix="gvcheck") as tmp:
         work = Path(tmp)
-        report["finetune"] = await finetune_check(work / "ft", args.cpu_dry_run, args.steps, args.hidden, args.layers)
+        report["finetune"] = await finetune_check(work / "ft", args.cpu_dry_run, args.steps, args.hidden,
+                                                  args.layers, args.ft_gpus)
         if report["engine_gpus"] or args.cpu_dry_run:
             report["serving"] = await serve_check(work / "srv", args.model, args.max_tokens)
         else:
             report["serving"] = "skipped: the installed engine is its CPU build (no CUDA build at hand)"
     return report
+
+
+def finetune_lines(ft: dict[str, Any]) -> list[str]:
+    """The fine-tune's memory, per GPU and per rank, as a person reads it."""
+    lines = [f"finetune: {ft['note']}; {ft['world_size']} rank(s), {ft['tokens_per_s']} tokens/s"]
+    idle = ft["gpu_idle_used_mib"]
+    for index, peak in sorted(ft["gpu_peak_used_mib"].items()):
+        lines.append(f"  GPU {index}: peak {peak} MiB used while it ran ({idle.get(index, 0)} MiB before)")
+    for r in ft["ranks"]:
+        how = r["measured_by"]
+        if how == "RSS peak":  # the runtime's own memory is in it: say how much
+            how += f"; {r['before_load_mib']} MiB before loading"
+        lines.append(f"  rank {r['rank']} on {r['device']}: peak {r['peak_mib']} MiB ({how}), "
+                     f"estimate {r['estimate_mib']} MiB, {r['samples']} samples")
+    return lines
 
 
 def main() -> None:
@@ -256,6 +313,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="finetune optimizer steps")
     ap.add_argument("--hidden", type=int, default=512, help="hidden size of the finetuned tiny model")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--ft-gpus", type=int, default=0,
+                    help="GPUs the fine-tune books (0: all of them; on a CPU dry run, 2 simulated)")
     ap.add_argument("--model", type=Path, help="a GGUF to serve instead of a generated tiny one")
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens per stream")
     ap.add_argument("--out", type=Path, help="also write the JSON report here")
@@ -263,6 +322,7 @@ def main() -> None:
     report = asyncio.run(main_async(args))
     text = json.dumps(report, indent=2)
     print(text)
+    print("\n".join(finetune_lines(report["finetune"])))
     if args.out is not None:
         args.out.write_text(text + "\n")
 

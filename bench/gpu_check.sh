@@ -6,6 +6,11 @@
 # job runner, and, where the engine's CUDA build is installed, serves a model
 # on the GPU. It prints the placement, the job's CUDA_VISIBLE_DEVICES, the
 # real VRAM use against the estimate, and tokens/s (bench/gpu_check.py).
+# With two or more GPUs the finetune books all of them and trains
+# data-parallel (one rank per GPU, NCCL); the report gives each GPU's memory
+# use while it ran (nvidia-smi --query-gpu) and each rank's peak against the
+# job's estimate. With one GPU it runs on that one and says so.
+# `-- --ft-gpus N` books N GPUs instead of all.
 #
 # Dependencies, decided: the machine brings torch, transformers and peft (the
 # venv sees them: --system-site-packages); everything else gpuvisor needs at
@@ -57,6 +62,14 @@ if [ "$DRY" = 1 ]; then
 elif ! nvidia-smi -L > /dev/null 2>&1; then
     echo "nvidia-smi finds no GPU (use --cpu-dry-run to check the script itself)" >&2
     exit 2
+else
+    N_GPUS="$(nvidia-smi -L | grep -c '^GPU ' || true)"
+    if [ "$N_GPUS" -ge 2 ]; then
+        echo "gpu_check: $N_GPUS GPUs: the finetune trains data-parallel on all of them (unless --ft-gpus)" >&2
+    else
+        echo "gpu_check: one GPU: the finetune runs on one (data-parallel needs two or more)" >&2
+    fi
+    nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv >&2
 fi
 
 # Finetune child processes: one OpenMP thread each unless told otherwise.

@@ -1,6 +1,6 @@
 """File and data formats that the parent and its workers both read: JSON
 schemas as GBNF grammars, image and audio containers told by their bytes,
-GGUF headers, the fallback chat template.
+GGUF headers, which chat template a model gets (and the built-in ones).
 
 Pure Python, without the engine or the parent's dependencies: a worker in an
 environment of its own imports this package beside worker/, and the parent

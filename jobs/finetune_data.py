@@ -127,36 +127,51 @@ def encode_all(tokenizer: Any, rows: list[Messages], max_len: int) -> Encoded:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Which examples each optimizer step reads (a pure function of the step)."""
+    """Which examples each optimizer step reads (a pure function of the step).
+
+    With ``world`` data-parallel ranks an optimizer step reads ``accum *
+    world`` micro-batches of the one seeded stream; rank ``r`` takes every
+    ``world``-th of them, starting at its own. One rank reads exactly what
+    the single-process loop reads.
+    """
 
     n_examples: int
     batch_size: int
     accum: int
     seed: int
+    world: int = 1
 
     @property
     def micro_per_epoch(self) -> int:
         return math.ceil(self.n_examples / self.batch_size)
 
+    @property
+    def micro_per_step(self) -> int:
+        return self.accum * self.world
+
     def total_steps(self, epochs: float, max_steps: int | None) -> int:
         if max_steps is not None:
             return max_steps
-        return max(1, math.ceil(epochs * self.micro_per_epoch / self.accum))
+        return max(1, math.ceil(epochs * self.micro_per_epoch / self.micro_per_step))
 
     def epoch_at(self, step: int) -> float:
         """Epochs completed after ``step`` optimizer steps."""
-        return round(step * self.accum / self.micro_per_epoch, 4)
+        return round(step * self.micro_per_step / self.micro_per_epoch, 4)
 
     def micro_batches(self, step: int) -> list[list[int]]:
-        """Example indices of each micro-batch of optimizer step ``step`` (0-based)."""
+        """Example indices of every micro-batch of optimizer step ``step``
+        (0-based), all ranks' together: rank ``r`` reads ``[r::world]``."""
         import torch
 
         out = []
-        for m in range(step * self.accum, (step + 1) * self.accum):
+        per = self.micro_per_step
+        orders: dict[int, list[int]] = {}
+        for m in range(step * per, (step + 1) * per):
             epoch, pos = divmod(m, self.micro_per_epoch)
-            gen = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(self.n_examples, generator=gen).tolist()
-            out.append(order[pos * self.batch_size : (pos + 1) * self.batch_size])
+            if epoch not in orders:
+                gen = torch.Generator().manual_seed(self.seed + epoch)
+                orders[epoch] = torch.randperm(self.n_examples, generator=gen).tolist()
+            out.append(orders[epoch][pos * self.batch_size : (pos + 1) * self.batch_size])
         return out
 
 

@@ -50,29 +50,72 @@ class HParams:
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> HParams:
         try:
-            n_head = int(cfg["num_attention_heads"])
-            n_embd = int(cfg["hidden_size"])
+            n_head = _count(cfg, "num_attention_heads", _MAX_HEADS)
+            n_embd = _count(cfg, "hidden_size", _MAX_WIDTH)
+            n_head_kv = _count(cfg, "num_key_value_heads", n_head, default=n_head)
+            if n_head % n_head_kv:
+                raise JobError(f"config.json: num_attention_heads {n_head} is not a multiple of "
+                               f"num_key_value_heads {n_head_kv}")
+            if cfg.get("head_dim") is None and n_embd % n_head:
+                raise JobError(f"config.json: hidden_size {n_embd} is not a multiple of "
+                               f"num_attention_heads {n_head} (and there is no head_dim)")
+            head_dim = _count(cfg, "head_dim", _MAX_WIDTH, default=n_embd // n_head)
             rope = _global_rope(cfg)
             theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
             scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-            head_dim = int(cfg.get("head_dim") or n_embd // n_head)
             partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+            if not 0.0 < partial <= 1.0:
+                raise JobError(f"config.json: partial_rotary_factor {partial} is not within (0, 1]")
             return cls(
-                n_vocab=int(cfg["vocab_size"]),
-                n_ctx=int(cfg.get("max_position_embeddings", 4096)),
+                n_vocab=_count(cfg, "vocab_size", _MAX_VOCAB),
+                n_ctx=_count(cfg, "max_position_embeddings", _MAX_CTX, default=4096),
                 n_embd=n_embd,
-                n_layer=int(cfg["num_hidden_layers"]),
-                n_ff=int(cfg["intermediate_size"]),
+                n_layer=_count(cfg, "num_hidden_layers", MAX_LAYERS),
+                n_ff=_count(cfg, "intermediate_size", _MAX_WIDTH),
                 n_head=n_head,
-                n_head_kv=int(cfg.get("num_key_value_heads") or n_head),
+                n_head_kv=n_head_kv,
                 head_dim=head_dim,
                 n_rot=int(head_dim * partial),
-                rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(theta),
+                rms_eps=_positive_float(cfg, "rms_norm_eps", 1e-6),
+                rope_theta=_positive_float({"rope_theta": theta}, "rope_theta", 10000.0),
                 rope_scaling=scaling,
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise JobError(f"config.json lacks or mangles a hyperparameter: {exc}") from exc
+
+
+# Bounds on the counts in a config.json: a crafted one (``vocab_size: 2e9``,
+# ``num_hidden_layers: 1e9``) would otherwise size loops and tables by them
+# before any tensor is read. The engine takes at most 512 layers; the rest
+# are far above any real model's.
+MAX_LAYERS = 512
+_MAX_HEADS = 4096
+_MAX_WIDTH = 1 << 20
+_MAX_CTX = 1 << 24
+_MAX_VOCAB = 1 << 24
+
+
+def _count(cfg: dict[str, Any], key: str, most: int, default: int | None = None) -> int:
+    """A positive whole number of config.json, at most ``most``; JobError naming ``key``."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise JobError(f"config.json lacks {key}")
+        return default
+    # JSON's 2e9 is a float; a whole one is taken, a bool never.
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value != int(value)):
+        raise JobError(f"config.json: {key} is {value!r}, not a whole number")
+    if not 1 <= value <= most:
+        raise JobError(f"config.json: {key} is {int(value)}, outside 1..{most}")
+    return int(value)
+
+
+def _positive_float(cfg: dict[str, Any], key: str, default: float) -> float:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) < math.inf:
+        raise JobError(f"config.json: {key} is {value!r}, not a positive finite number")
+    return float(value)
 
 
 def _global_rope(cfg: dict[str, Any]) -> dict[str, Any]:

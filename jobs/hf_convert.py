@@ -32,6 +32,7 @@ from jobs.hf_arch import ARCHS as ARCHS
 from jobs.hf_arch import ArchSpec, add_hparams, add_rope
 from jobs.hf_arch import HParams as HParams
 from jobs.hf_arch import model_arch as model_arch
+from jobs.hf_files import check_model_dir, model_file
 from jobs.hf_vocab import load_vocab
 
 OutType = Literal["F32", "F16"]
@@ -91,14 +92,17 @@ def _read_header(path: Path) -> dict[str, TensorRef]:
 def read_tensors(model_dir: Path) -> dict[str, TensorRef]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted({str(f) for f in json.loads(index.read_text())["weight_map"].values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise JobError(f"cannot read {index.name}: {exc!r}") from exc
     elif (model_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
         raise JobError("the model dir has no safetensors weights (model.safetensors or an index)")
     out: dict[str, TensorRef] = {}
     for name in files:
-        out.update(_read_header(model_dir / name))
+        out.update(_read_header(model_file(model_dir, name, "model.safetensors.index.json")))
     return out
 
 
@@ -107,6 +111,9 @@ def read_tensors(model_dir: Path) -> dict[str, TensorRef]:
 
 def permute_rotary(w: np.ndarray[Any, Any], n_head: int) -> np.ndarray[Any, Any]:
     """HF's split-halves rotary layout -> llama.cpp's interleaved one (per head)."""
+    if not w.shape or w.shape[0] % (2 * n_head):
+        raise JobError(f"a Q/K weight of shape {list(w.shape)} does not split into {n_head} heads "
+                       "(config.json's head counts do not fit the weights)")
     return (
         w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
         .swapaxes(1, 2)
@@ -227,7 +234,10 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "config.json"
     if not path.is_file():
         raise JobError(f"{model_dir.name} is not a Hugging Face model dir (no config.json)")
-    cfg = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise JobError(f"cannot read config.json: {exc}") from exc
     if not isinstance(cfg, dict):
         raise JobError("config.json is not a JSON object")
     return cfg
@@ -238,6 +248,7 @@ def convert(
     progress: Progress | None = None, check_stop: Callable[[], None] | None = None,
 ) -> Converted:
     """Write ``out`` (which the caller renames into place when complete)."""
+    check_model_dir(model_dir)
     cfg = read_config(model_dir)
     arch_name, spec = model_arch(cfg)
     hp = HParams.from_config(cfg)

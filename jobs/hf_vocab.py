@@ -43,6 +43,37 @@ _QWEN2_SPLIT = (
 )
 PRE_TOKENIZERS = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2"}
 
+# Rows a model may have beyond its tokenizer's tokens (embeddings padded to
+# a round size: hundreds in real models), and ids it may leave unused: at
+# most this many or a quarter of the tokens. A crafted vocab_size or token
+# id (2e9) would otherwise size the padding loops by itself.
+_SPARE_MIN = 4096
+
+
+def _spare(present: int) -> int:
+    return max(_SPARE_MIN, present // 4)
+
+
+def _token_id(value: Any, where: str) -> int:
+    """A token id as a file gives it; JobError naming ``where`` for anything but a whole number >= 0."""
+    tid = -1
+    if isinstance(value, int) and not isinstance(value, bool):
+        tid = value
+    elif isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 12:
+        tid = int(value)
+    if tid < 0:
+        raise JobError(f"{where}: token id {value!r} is not a whole number >= 0")
+    return tid
+
+
+def _id_span(ids: set[int], where: str) -> int:
+    """How many ids the vocabulary spans (highest + 1), bounded by how many it names."""
+    size = max(ids, default=-1) + 1
+    if size > len(ids) + _spare(len(ids)):
+        raise JobError(f"{where}: token id {size - 1} leaves {size - len(ids)} of the first {size} ids "
+                       f"unnamed, for {len(ids)} tokens; the file is not a usable tokenizer")
+    return size
+
 
 @dataclass
 class Vocab:
@@ -60,6 +91,9 @@ class Vocab:
                 f"the tokenizer has {len(self.tokens)} tokens but the model only {n_vocab} embeddings"
             )
         extra = n_vocab - len(self.tokens)
+        if extra > _spare(len(self.tokens)):
+            raise JobError(f"config.json: vocab_size {n_vocab} is {extra} more than the tokenizer's "
+                           f"{len(self.tokens)} tokens (a model pads by at most {_spare(len(self.tokens))})")
         if extra:
             self.notes.append(f"padded the vocabulary with {extra} unused tokens")
         for i in range(len(self.tokens), n_vocab):
@@ -85,7 +119,7 @@ class Vocab:
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # JSONDecodeError, and ints past Python's digit limit
         raise JobError(f"cannot read {path.name}: {exc}") from exc
     if not isinstance(data, dict):
         raise JobError(f"{path.name} is not a JSON object")
@@ -95,16 +129,21 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _added_tokens(model_dir: Path) -> dict[int, tuple[str, bool]]:
     """Added tokens by id: (content, special), from every place HF keeps them."""
     out: dict[int, tuple[str, bool]] = {}
-    if (model_dir / "tokenizer.json").is_file():
-        for tok in _read_json(model_dir / "tokenizer.json").get("added_tokens", []):
-            out[int(tok["id"])] = (str(tok["content"]), bool(tok.get("special", False)))
-    if (model_dir / "tokenizer_config.json").is_file():
-        decoder = _read_json(model_dir / "tokenizer_config.json").get("added_tokens_decoder", {})
-        for tid, tok in decoder.items():
-            out[int(tid)] = (str(tok["content"]), bool(tok.get("special", False)))
-    if (model_dir / "added_tokens.json").is_file():
-        for content, tid in _read_json(model_dir / "added_tokens.json").items():
-            out.setdefault(int(tid), (str(content), False))
+    try:
+        if (model_dir / "tokenizer.json").is_file():
+            for tok in _read_json(model_dir / "tokenizer.json").get("added_tokens", []):
+                out[_token_id(tok["id"], "tokenizer.json added_tokens")] = (
+                    str(tok["content"]), bool(tok.get("special", False)))
+        if (model_dir / "tokenizer_config.json").is_file():
+            decoder = _read_json(model_dir / "tokenizer_config.json").get("added_tokens_decoder", {})
+            for tid, tok in decoder.items():
+                out[_token_id(tid, "tokenizer_config.json added_tokens_decoder")] = (
+                    str(tok["content"]), bool(tok.get("special", False)))
+        if (model_dir / "added_tokens.json").is_file():
+            for content, tid in _read_json(model_dir / "added_tokens.json").items():
+                out.setdefault(_token_id(tid, "added_tokens.json"), (str(content), False))
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise JobError(f"an added token lacks or mangles its id or content: {exc!r}") from exc
     return out
 
 
@@ -121,7 +160,7 @@ def _sentencepiece(model_dir: Path) -> Vocab:
         types.append(int(_spm_type(proc, i)))
     for tid, (content, special) in _added_tokens(model_dir).items():
         kind = int(T.CONTROL if special else T.USER_DEFINED)
-        if tid < len(tokens):
+        if tid < len(tokens):  # ids are >= 0 (_token_id)
             tokens[tid], types[tid] = content, kind
             continue
         if tid != len(tokens):
@@ -183,15 +222,15 @@ def _spm_bpe(model_dir: Path, model: dict[str, Any]) -> Vocab:
     """SentencePiece-style BPE: llama.cpp merges the best-scoring pair that
     makes a token, so a piece scores by the rank of the first merge making
     it (-(rank + 1)); pieces no merge makes score 0."""
-    vocab = model.get("vocab", {})
+    vocab = _vocab_ids(model)
     rank: dict[str, int] = {}
     for i, merge in enumerate(model.get("merges", [])):
         left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
         rank.setdefault(str(left) + str(right), i)
     added = _added_tokens(model_dir)
-    by_id = {int(i): str(t) for t, i in vocab.items()}
+    by_id = {i: t for t, i in vocab.items()}
     tokens, types, scores = [], [], []
-    for i in range(max([*by_id, *added, -1]) + 1):
+    for i in range(_id_span({*by_id, *added}, "tokenizer.json")):
         text = added[i][0] if i in added else by_id.get(i, f"[PAD{i}]")
         if text == model.get("unk_token"):
             kind = T.UNKNOWN
@@ -207,6 +246,14 @@ def _spm_bpe(model_dir: Path, model: dict[str, Any]) -> Vocab:
     return Vocab("llama", tokens, types, scores)
 
 
+def _vocab_ids(model: dict[str, Any]) -> dict[str, int]:
+    """tokenizer.json's ``model.vocab``: token -> id, each id checked."""
+    vocab = model.get("vocab", {})
+    if not isinstance(vocab, dict):
+        raise JobError("tokenizer.json: model.vocab is not an object")
+    return {str(t): _token_id(i, "tokenizer.json model.vocab") for t, i in vocab.items()}
+
+
 def _byte_level_bpe(model_dir: Path) -> Vocab:
     data = _read_json(model_dir / "tokenizer.json")
     model = data.get("model", {})
@@ -215,9 +262,9 @@ def _byte_level_bpe(model_dir: Path) -> Vocab:
     if model.get("byte_fallback") and not _split_patterns(data.get("pre_tokenizer"))[1]:
         return _spm_bpe(model_dir, model)
     pre = _pre_name(data.get("pre_tokenizer"))
-    by_id = {int(i): str(t) for t, i in model.get("vocab", {}).items()}
+    by_id = {i: t for t, i in _vocab_ids(model).items()}
     added = _added_tokens(model_dir)
-    size = max([*by_id, *added, -1]) + 1
+    size = _id_span({*by_id, *added}, "tokenizer.json")
     tokens, types = [], []
     for i in range(size):
         if i in added:

@@ -42,6 +42,7 @@ from jobs.hf_convert import (
     permute_rotary,
     read_config,
 )
+from jobs.hf_files import check_model_dir
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -142,6 +143,8 @@ def convert_adapter(
     check_stop: Callable[[], None] | None = None,
 ) -> ConvertedAdapter:
     """Write ``out`` (which the caller renames into place when complete)."""
+    check_model_dir(adapter_dir)
+    check_model_dir(base_dir)
     acfg = read_adapter_config(adapter_dir)
     cfg = read_config(base_dir)
     _, spec = model_arch(cfg)

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from formats.chat_templates import TemplateFileError, read_template_file
 from jobs.errors import validation_param
 
 ENV_PREFIX = "GPUVISOR_"
@@ -58,8 +59,17 @@ def parse_duration(value: str | int | float) -> float:
 
 # Engine slots per worker: each holds a whole context of KV cache.
 MAX_PARALLEL = 64
+# With parallel automatic: the slots planned first, beside the context...
 DEFAULT_PARALLEL_GPU = 4
 DEFAULT_PARALLEL_CPU = 2
+# ...and the most it grows to where memory allows (supervisor/models/slots.py).
+AUTO_PARALLEL_MAX_GPU = 16
+AUTO_PARALLEL_MAX_CPU = 8
+# RoPE scaling past the native context: the most it multiplies it by.
+MAX_ROPE_SCALE = 64.0
+# none: a slot's context stops at the model's native (training) context;
+# yarn: YaRN scaling reaches past it (supervisor/models/rope.py).
+RopeScaling = Literal["none", "yarn"]
 
 class ModelSettings(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
     """How to load one model; every field optional (unset = the global default)."""
@@ -76,8 +86,23 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     draft_min: Annotated[int, msgspec.Meta(ge=0, le=MAX_DRAFT)] | None = None
     draft_max: Annotated[int, msgspec.Meta(ge=1, le=MAX_DRAFT)] | None = None
     keep_alive: str | int | float | None = None
-    # Generations a worker runs at once (engine slots); 0 = 4 on a GPU, 2 on the CPU.
+    # Generations a worker runs at once (engine slots); 0 = automatic: as
+    # many as fit beside the context, from 2 (CPU) or 4 (GPU) up to 8 or 16.
     parallel: int | None = None
+    # A Jinja chat template file to prompt with instead of the model's own
+    # (or of the built-in one for its architecture). Checked at startup, and
+    # at a load that sets it: at most 256 KiB of UTF-8 whose Jinja parses.
+    chat_template_file: str | None = None
+    # Thinking on or off for requests that do not say: the template variable
+    # enable_thinking (chat_template_kwargs), as Qwen 3 style templates read it.
+    enable_thinking: bool | None = None
+    # Past the model's native context: "yarn" with n_ctx above it (or
+    # rope_scale, the factor it multiplies the native context by);
+    # yarn_orig_ctx: the context YaRN scales from (default: the header's
+    # original context, else its native one).
+    rope_scaling: RopeScaling | None = None
+    rope_scale: Annotated[float, msgspec.Meta(gt=1.0, le=MAX_ROPE_SCALE)] | None = None
+    yarn_orig_ctx: Annotated[int, msgspec.Meta(ge=16)] | None = None
 
     def __post_init__(self) -> None:
         if self.n_ctx is not None and self.n_ctx < 16:
@@ -110,6 +135,16 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
             return "draft_min", f"draft_min ({self.draft_min}) is above draft_max ({self.draft_max})"
         if mode == "draft" and not self.draft_model:
             return "draft_model", 'speculative = "draft" needs draft_model (a model id from the library)'
+        return None
+
+    def rope_problem(self) -> tuple[str, str] | None:
+        """(setting, why) when a RoPE scaling value is set with no scaling
+        named; rope_scaling = "none" turns scaling off, whatever else is set."""
+        if self.rope_scaling is not None:
+            return None
+        for name in ("rope_scale", "yarn_orig_ctx"):
+            if getattr(self, name) is not None:
+                return name, f'{name} takes effect only with rope_scaling = "yarn"'
         return None
 
     def over(self, base: ModelSettings) -> ModelSettings:
@@ -279,7 +314,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError("log_level must be debug, info, warning or error")
         for model_id, own in self.model_defaults.items():
-            problem = own.speculative_problem()
+            problem = own.speculative_problem() or own.rope_problem()
             if problem is not None:
                 raise ValueError(f"model_defaults.{model_id}.{problem[0]}: {problem[1]}")
 
@@ -374,7 +409,25 @@ def load_config(
         raise ConfigError(f"invalid setting{where}: {exc}") from exc
     if not cfg.vllm_python:
         cfg.vllm_python = default_vllm_python()
+    cfg.model_defaults = _checked_template_files(cfg.model_defaults, config_path.parent)
     for name, sub in (("models_dir", "models"), ("datasets_dir", "datasets"), ("outputs_dir", "outputs")):
         if not getattr(cfg, name):
             setattr(cfg, name, str(Path(cfg.state_dir) / sub))
     return cfg
+
+
+def _checked_template_files(defaults: dict[str, ModelSettings], base: Path) -> dict[str, ModelSettings]:
+    """The model settings with each chat_template_file resolved (a relative
+    one against the config file's folder) and checked: one that cannot be
+    used is a startup error naming it, not a failed load later."""
+    out = dict(defaults)
+    for model_id, own in defaults.items():
+        if not own.chat_template_file:
+            continue
+        path = base / Path(own.chat_template_file).expanduser()
+        try:
+            read_template_file(path)
+        except TemplateFileError as exc:
+            raise ConfigError(f"model_defaults.{model_id}.chat_template_file: {exc}") from exc
+        out[model_id] = msgspec.structs.replace(own, chat_template_file=str(path.resolve()))
+    return out

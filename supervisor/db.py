@@ -13,14 +13,48 @@ and migrations only ever append.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import aiosqlite
 
 from supervisor.errors import StorageFull
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Retrying a write the full disk refused: soon at first, then every few
+# seconds, so a record is saved within seconds of space coming back.
+RETRY_FIRST_S = 0.25
+RETRY_MAX_S = 4.0
+
+
+async def until_stored(write: Callable[[], Awaitable[T]], what: str, *,
+                       first_s: float = RETRY_FIRST_S, max_s: float = RETRY_MAX_S) -> T:
+    """Run ``write`` until the disk takes it, backing off while it raises
+    :class:`StorageFull`; ``what`` names the record in the log. Runs until
+    cancelled: the caller owns the task, and boot recovery then deals with
+    what was never saved."""
+    delay = first_s
+    refused = False
+    while True:
+        try:
+            result = await write()
+        except StorageFull:
+            if not refused:
+                log.warning("the disk is full: %s is kept in memory and saved once space returns", what)
+                refused = True
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_s)
+            continue
+        if refused:
+            log.info("%s is saved now", what)
+        return result
 
 
 class Database:

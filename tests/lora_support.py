@@ -59,3 +59,56 @@ def finetune(base_dir: Path, hf_model: Path, **over: Any) -> dict[str, Any]:
             return done.result
 
     return asyncio.run(run())
+
+
+def engine_refused_copy(src: Path, out: Path) -> Path:
+    """``src`` with one key the engine's adapter loader refuses and the
+    library does not read (aLoRA invocation tokens as a string, where it
+    takes a uint32 array): a stand-in for any fault only the engine finds."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE)
+    alpha = reader.get_field(gguf.Keys.Adapter.LORA_ALPHA)
+    base = reader.get_field("general.base_model.0.name")
+    assert arch is not None and alpha is not None
+    writer = gguf.GGUFWriter(out, str(arch.contents()))
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha.contents()))
+    if base is not None:
+        writer.add_string("general.base_model.0.name", str(base.contents()))
+    writer.add_string("adapter.alora.invocation_tokens", "not tokens")
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def truncated_copy(src: Path, out: Path, cut: int = 3000) -> Path:
+    """``src`` without its last ``cut`` bytes: the header reads, the data runs short."""
+    out.write_bytes(src.read_bytes()[:-cut])
+    return out
+
+
+def retyped_copy(src: Path, out: Path) -> Path:
+    """``src`` with its first ``lora_b`` tensor's type set to Q8_0 in the
+    index: its rows (the rank, 4 values) are no whole 32-value block, which
+    the engine refuses; every size and offset is as before."""
+    import struct
+
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    tensor = next(t for t in reader.tensors if t.name.endswith(".lora_b"))
+    data = bytearray(src.read_bytes())
+    name = tensor.name.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, int(gguf.GGMLQuantizationType.Q8_0))
+    out.write_bytes(bytes(data))
+    return out

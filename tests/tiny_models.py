@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from supervisor.models.demo import CHATML_TEMPLATE, _vocab, add_tokenizer, finish_gguf
+from supervisor.models.demo import CHATML_TEMPLATE, _vocab, add_tokenizer, finish_gguf, with_specials
 
 
 def write_tiny_gemma3(
@@ -30,8 +30,11 @@ def write_tiny_gemma3(
     n_ctx: int = 8192,
     sliding_window: int = 256,
     extra_tokens: int = 200,
+    chat_template: str | None = CHATML_TEMPLATE,
+    specials: tuple[str, ...] = (),
 ) -> Path:
-    """Write a random Gemma 3 GGUF (F32) to ``path`` atomically.
+    """Write a random Gemma 3 GGUF (F32) to ``path`` atomically; ``specials``
+    are control tokens added to the vocab (e.g. Gemma's turn markers).
 
     Gemma 3 runs five sliding-window layers to one global layer; llama.cpp
     applies that pattern by itself, so the header carries only the window.
@@ -39,7 +42,7 @@ def write_tiny_gemma3(
     where it is wider than the embedding share of a head.
     """
     rng = np.random.default_rng(seed)
-    tokens, scores, types = _vocab(extra_tokens)
+    tokens, scores, types = with_specials(_vocab(extra_tokens), specials)
     n_vocab = len(tokens)
     tmp = path.with_name(path.name + ".tmp")
     w = gguf.GGUFWriter(str(tmp), "gemma3")
@@ -56,7 +59,7 @@ def write_tiny_gemma3(
     w.add_rope_freq_base(1_000_000.0)
     w.add_sliding_window(sliding_window)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    add_tokenizer(w, tokens, scores, types, CHATML_TEMPLATE)
+    add_tokenizer(w, tokens, scores, types, chat_template)
 
     def rand(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.1).astype(np.float32)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from worker import speculative
 from worker.engine_api import DEFAULT_ENGINE, ENGINES, EngineOptions
+from worker.protocol import RopeOptions
 from worker.server import run
 
 
@@ -45,6 +46,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="a GGUF LoRA adapter to hold for requests that name it (repeatable)")
     ap.add_argument("--tensor-split", type=_shares, default=(),
                     help="comma-separated shares of the layers per visible GPU, e.g. 0.6,0.4")
+    ap.add_argument("--chat-template-file", default="",
+                    help="a Jinja chat template to prompt with instead of the model's own")
+    ap.add_argument("--rope-freq-scale", type=float, default=0.0,
+                    help="YaRN: the engine's rope_freq_scale (with --yarn-orig-ctx); 0 = the model's own")
+    ap.add_argument("--yarn-orig-ctx", type=int, default=0, help="YaRN: the context it scales from")
     ap.add_argument("--heartbeat", type=float, default=1.0)
     return ap.parse_args(argv)
 
@@ -71,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                          args.mmproj)
     opts.lora = list(args.lora)
     opts.tensor_split = args.tensor_split
+    opts.chat_template_file = args.chat_template_file
+    opts.rope = RopeOptions(args.rope_freq_scale, args.yarn_orig_ctx)
     return asyncio.run(run(opts, args.socket, args.heartbeat, args.engine))
 
 

@@ -3,8 +3,8 @@
 Templates run in a sandboxed environment with the helpers Hugging Face
 templates expect (``raise_exception``, ``strftime_now``, a JSON-faithful
 ``tojson``, ``{% break %}`` / ``{% continue %}``). A model without a template
-is prompted in ChatML (the same fallback llama.cpp uses), and ``<|im_end|>``
-is then a stop string.
+gets a built-in template for its architecture, else ChatML (chosen in
+formats/chat_templates.py), whose turn markers are then stop strings too.
 
 Some published templates make demands of the conversation that OpenAI
 clients do not meet; :class:`_Quirks` adapts the messages to them (call ids
@@ -25,7 +25,9 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 
-from formats.chat_templates import CHATML_FALLBACK, FALLBACK_STOPS
+from pathlib import Path
+
+from formats.chat_templates import CHATML_FALLBACK, FALLBACK_STOPS, ChosenTemplate, read_template_file
 from worker.protocol import MEDIA_MARKER, ChatMessage, TextPart
 
 # Mistral's templates refuse any tool call id that is not nine alphanumerics.
@@ -80,8 +82,12 @@ class _Undefined(jinja2.Undefined):
 
 
 class ChatRenderer:
-    def __init__(self, template: str | None, bos_token: str, eos_token: str) -> None:
-        self.is_fallback = template is None
+    """Renders with ``template``; None is the ChatML fallback. ``stops`` end
+    a generation as text (None: the fallback's, for the fallback only)."""
+
+    def __init__(self, template: str | None, bos_token: str, eos_token: str,
+                 stops: tuple[str, ...] | None = None) -> None:
+        self._stops = stops if stops is not None else FALLBACK_STOPS if template is None else ()
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, undefined=_Undefined, extensions=["jinja2.ext.loopcontrols"]
         )
@@ -93,9 +99,13 @@ class ChatRenderer:
         self._bos = bos_token
         self._eos = eos_token
 
+    @classmethod
+    def of(cls, chosen: ChosenTemplate, bos_token: str, eos_token: str) -> ChatRenderer:
+        return cls(chosen.text, bos_token, eos_token, chosen.stops)
+
     @property
     def extra_stops(self) -> list[str]:
-        return list(FALLBACK_STOPS) if self.is_fallback else []
+        return list(self._stops)
 
     def render(
         self,
@@ -129,6 +139,13 @@ class ChatRenderer:
         if self._bos and text.startswith(self._bos):
             text = text[len(self._bos) :]
         return text
+
+
+def override_template(path: str) -> str | None:
+    """The text of a model's chat_template_file setting (None when unset).
+    The parent checked the file; read again here, one changed since raises
+    ``TemplateFileError``."""
+    return read_template_file(Path(path)) if path else None
 
 
 class _Arguments(dict[str, Any]):

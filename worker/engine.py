@@ -28,10 +28,11 @@ from typing import Any
 
 import xllamacpp
 
+from formats.chat_templates import TemplateFileError, choose_template
 from formats.gguf_meta import GGUFMetaError, read_metadata
 from formats.schema_gbnf import json_object_gbnf
 from worker.adapters import AdapterError, AdapterSet
-from worker.chat_template import ChatRenderer, TemplateError
+from worker.chat_template import ChatRenderer, TemplateError, override_template
 from worker.engine_api import Counters, Emit, EngineApi, EngineOptions, LoadError
 from worker.engine_params import engine_params
 from worker.grammar_guard import bounded_schema, check_grammar, schema_to_grammar
@@ -185,6 +186,10 @@ class Engine:
             meta = read_metadata(path)
         except (OSError, GGUFMetaError) as exc:
             raise LoadError(f"cannot load {opts.model_path}: {exc}") from exc
+        try:
+            override = override_template(opts.chat_template_file)
+        except TemplateFileError as exc:
+            raise LoadError(f"chat_template_file: {exc}") from exc
         sock = Path(opts.engine_socket)
         self.vision_error = ""
         mmproj = opts.mmproj
@@ -194,7 +199,7 @@ class Engine:
             except ProjectorError as exc:
                 self.vision_error = str(exc)
                 mmproj = ""
-        self.adapters, self.adapter_error = AdapterSet.prepare(opts.lora, sock.with_suffix(".neutral.gguf"))
+        self.adapters = AdapterSet.prepare(opts.lora, sock.with_suffix(".neutral.gguf"))
         try:
             self.server = self._start_held(opts, sock, mmproj)
         except LoadError:
@@ -218,8 +223,10 @@ class Engine:
         info = self.http.request("GET", "/v1/models")["data"][0].get("meta", {})
         raw_template = meta.get("tokenizer.chat_template")
         template = raw_template if isinstance(raw_template, str) else None
-        self.renderer = ChatRenderer(template, str(props.get("bos_token") or ""),
-                                     str(props.get("eos_token") or ""))
+        chosen = choose_template(template, str(meta.get("general.architecture") or ""), self._has_token, override)
+        log.info("chat template: %s%s", chosen.source, f" ({chosen.name})" if chosen.name else "")
+        self.renderer = ChatRenderer.of(chosen, str(props.get("bos_token") or ""),
+                                        str(props.get("eos_token") or ""))
         self.n_ctx = int(props["default_generation_settings"]["n_ctx"])
         self.facts = ModelFacts(
             path=opts.model_path,
@@ -228,30 +235,46 @@ class Engine:
             n_vocab=int(info.get("n_vocab", 0)),
             has_chat_template=template is not None,
             embedding=opts.embedding,
-            chat_template=template,
+            chat_template=chosen.text,
+            template_source=chosen.source,
+            template_name=chosen.name,
             vision=self.vision,
             vision_error=self.vision_error,
             audio=self.audio,
             adapters=list(self.adapters.paths),
-            adapter_error=self.adapter_error,
+            adapter_error=self.adapters.error(),
+            refused_adapters=dict(self.adapters.refused),
             # An embedding worker generates nothing, so it is not asked.
             schema_grammar="" if opts.embedding else "llguidance" if vocab_accepts(self._complete) else "gbnf",
         )
         self.llguidance = self.facts.schema_grammar == "llguidance"
         self.guidance = CompileCheck(self._complete)
 
+    def _has_token(self, text: str) -> bool:
+        """Whether the vocab holds ``text`` as one token (a turn marker)."""
+        return len(self.tokenize(text, add_special=False)) == 1
+
     def _start_held(self, opts: EngineOptions, sock: Path, mmproj: str) -> xllamacpp.Server:
-        """Start with the adapters; if only they fail, without them (and say why)."""
+        """Start with the adapters; if the engine refuses them, without each
+        in turn, then without any (worker/adapters.py), saying which and why."""
         if not self.adapters.paths:
             return self._start(opts, sock, mmproj)
         try:
             return self._start(opts, sock, mmproj, self.adapters)
-        except LoadError:
-            server = self._start(opts, sock, mmproj)  # raises when the fault is not theirs
-        self.adapter_error = "the engine could not load the LoRA adapters (its log says why)"
-        log.warning("serving the base model alone: %s", self.adapter_error)
-        self.adapters = AdapterSet()
-        return server
+        except LoadError as exc:
+            log.warning("the engine refused the LoRA adapters %s: %s",
+                        [Path(p).name for p in self.adapters.paths], exc)
+        for fewer in self.adapters.without_each():
+            try:
+                server = self._start(opts, sock, mmproj, fewer)
+            except LoadError:
+                if not fewer.paths:
+                    raise  # the base alone fails too: the fault is not the adapters'
+                continue
+            self.adapters = fewer
+            log.warning("serving without some LoRA adapters: %s", fewer.error())
+            return server
+        raise AssertionError("without_each ends with the base alone, which returns or raises")
 
     @staticmethod
     def _start(opts: EngineOptions, sock: Path, mmproj: str,

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol, cast
 
-from worker.protocol import Delta, Done, Error, Generate, ModelFacts, SpeculativeOptions, Started
+from worker.protocol import Delta, Done, Error, Generate, ModelFacts, RopeOptions, SpeculativeOptions, Started
 
 # What an engine sends while it runs one Generate: Started once the request
 # is taken, Deltas, then exactly one Done or Error.
@@ -82,6 +82,10 @@ class EngineOptions:
     lora: list[str] = field(default_factory=list)
     # Shares of the layers per visible GPU (a split over several); empty: one GPU.
     tensor_split: tuple[float, ...] = ()
+    # A chat template file that replaces the model's own (a model setting); "" = none.
+    chat_template_file: str = ""
+    # YaRN scaling past the native context (llama.cpp only); none by default.
+    rope: RopeOptions = RopeOptions()
 
 
 @dataclass

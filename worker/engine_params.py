@@ -1,6 +1,6 @@
 """The engine's settings for one worker: ``xllamacpp.CommonParams`` from the
 worker's options (context per slot, cache types, layers and their split over
-GPUs, the projector, speculative decoding, LoRA adapters).
+GPUs, the projector, speculative decoding, YaRN scaling, LoRA adapters).
 
 Apart from the engine itself so that the memory fit's tests and the
 benchmarks build exactly the settings a worker runs with. The options
@@ -13,7 +13,7 @@ import xllamacpp
 
 from worker.adapters import AdapterSet
 from worker.engine_api import EngineOptions
-from worker.protocol import SpeculativeOptions
+from worker.protocol import RopeOptions, SpeculativeOptions
 
 CACHE_TYPES = {
     "f16": xllamacpp.ggml_type.GGML_TYPE_F16,
@@ -70,6 +70,17 @@ def apply_tensor_split(p: xllamacpp.CommonParams, shares: tuple[float, ...]) -> 
     p.split_mode = xllamacpp.llama_split_mode.LLAMA_SPLIT_MODE_LAYER
 
 
+def apply_rope(p: xllamacpp.CommonParams, rope: RopeOptions) -> None:
+    """YaRN past the native context: the engine then raises its training
+    context to yarn_orig_ctx / freq_scale and lets a slot have that much
+    (supervisor/models/rope.py); nothing when none was asked for."""
+    if not rope.freq_scale:
+        return
+    p.rope_scaling_type = xllamacpp.llama_rope_scaling_type.LLAMA_ROPE_SCALING_TYPE_YARN
+    p.rope_freq_scale = rope.freq_scale
+    p.yarn_orig_ctx = rope.yarn_orig_ctx
+
+
 def engine_params(opts: EngineOptions, mmproj: str = "",
                   adapters: AdapterSet | None = None) -> xllamacpp.CommonParams:
     p = xllamacpp.CommonParams()
@@ -115,6 +126,7 @@ def engine_params(opts: EngineOptions, mmproj: str = "",
     # on the device that has the kernel.
     p.flash_attn_type = xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_ENABLED
     apply_speculative(p, opts.speculative, opts.n_gpu_layers)
+    apply_rope(p, opts.rope)
     p.hostnames = [opts.engine_socket]
     if mmproj:
         p.mmproj.path = mmproj

@@ -39,7 +39,8 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from worker.chat_template import ChatRenderer, TemplateError
+from formats.chat_templates import TemplateFileError, choose_template
+from worker.chat_template import ChatRenderer, TemplateError, override_template
 from worker.engine_api import Counters, Emit, EngineApi, EngineOptions, LoadError
 from worker.images import ImageError, check_images, placements
 from worker.protocol import Delta, Done, Error, Generate, ModelFacts, Started
@@ -163,6 +164,10 @@ class VllmEngine:
         if opts.embedding:
             raise LoadError("the vllm engine serves generation only; embeddings are not served by it yet")
         self.opts = opts
+        try:
+            override = override_template(opts.chat_template_file)
+        except TemplateFileError as exc:
+            raise LoadError(f"chat_template_file: {exc}") from exc
         self.counters = Counters()
         self._ids = itertools.count(1)
         self._active: dict[int, _Request] = {}
@@ -181,15 +186,18 @@ class VllmEngine:
         self.tokenizer = self.llm.get_tokenizer()
         template = getattr(self.tokenizer, "chat_template", None)
         template = template if isinstance(template, str) else None
-        self.renderer = ChatRenderer(template, str(self.tokenizer.bos_token or ""),
-                                     str(self.tokenizer.eos_token or ""))
         model = self.llm.model_config
+        chosen = choose_template(template, str(getattr(model.hf_config, "model_type", "") or ""),
+                                 self.tokenizer.get_vocab().__contains__, override)
+        self.renderer = ChatRenderer.of(chosen, str(self.tokenizer.bos_token or ""),
+                                        str(self.tokenizer.eos_token or ""))
         self.n_ctx = int(model.max_model_len)
         self.facts = ModelFacts(
             path=opts.model_path, n_ctx=self.n_ctx,
             n_ctx_train=int(getattr(model.hf_text_config, "max_position_embeddings", self.n_ctx)),
             n_vocab=int(model.get_vocab_size()), has_chat_template=template is not None,
-            embedding=False, chat_template=template, adapters=list(self._loras),
+            embedding=False, chat_template=chosen.text, adapters=list(self._loras),
+            template_source=chosen.source, template_name=chosen.name,
         )
         log.info("vLLM engine ready: max_model_len %d, %d sequences, KV cache budget %d bytes",
                  self.n_ctx, opts.parallel, self.kv_bytes)

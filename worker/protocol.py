@@ -86,6 +86,22 @@ class SpeculativeOptions:
         return args
 
 
+@dataclass(frozen=True)
+class RopeOptions:
+    """YaRN scaling past the model's native context, as the engine takes it
+    (supervisor/models/rope.py says why these two numbers). ``freq_scale``
+    0 leaves the model's own RoPE alone."""
+
+    freq_scale: float = 0.0  # the engine's rope_freq_scale: yarn_orig_ctx / the context reached
+    yarn_orig_ctx: int = 0
+
+    def argv(self) -> list[str]:
+        """The worker arguments that carry these options (worker/__main__.py reads them)."""
+        if not self.freq_scale:
+            return []
+        return ["--rope-freq-scale", repr(self.freq_scale), "--yarn-orig-ctx", str(self.yarn_orig_ctx)]
+
+
 # ---------------------------------------------------------------- shared parts
 
 # Bounds on the images of one Generate (the parent checks them first; the
@@ -208,8 +224,13 @@ class ModelFacts(msgspec.Struct):
     n_ctx: int
     n_ctx_train: int
     n_vocab: int
+    # Whether the model's own files hold a chat template.
     has_chat_template: bool
     embedding: bool
+    # The template the worker renders with (formats/chat_templates.py), and
+    # where it came from: "override", "file", "architecture" (template_name
+    # says which built-in) or "fallback" (ChatML). None with no source: the
+    # text is unknown (the file's own if has_chat_template, else the fallback).
     chat_template: str | None = None
     # Whether the worker takes images (its projector loaded), and if one was
     # given but not loaded, why; the model then serves text only.
@@ -218,15 +239,19 @@ class ModelFacts(msgspec.Struct):
     # Whether it takes audio clips (an audio projector loaded); the same
     # vision_error says why a projector given did not load.
     audio: bool = False
-    # The LoRA adapters the worker holds (paths), and if it was given some
-    # but the engine refused them, why; it then serves the base alone.
+    # The LoRA adapters the worker holds (paths); those it was given but does
+    # not hold, each with why (refused alone: the others are held); and all
+    # of those reasons in one line, "" when it holds every one it was given.
     adapters: list[str] = []
     adapter_error: str = ""
+    refused_adapters: dict[str, str] = {}
     # What enforces JSON-schema output formats: "llguidance" (the llama.cpp
     # engine's, where the model's vocab passed the load probe), "gbnf" (our
     # converter, which enforces fewer keywords: formats/schema_keywords.py),
     # or "" (an engine's own structured outputs, e.g. vLLM's).
     schema_grammar: str = ""
+    template_source: str = ""
+    template_name: str = ""
 
 
 class Hello(msgspec.Struct, tag=True):

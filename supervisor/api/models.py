@@ -11,18 +11,20 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from formats.chat_templates import TemplateFileError, builtin_name, read_template_file
 from supervisor.api.auth import request_scope
 from supervisor.api.adapter_views import api_adapters, base_adapters
 from supervisor.api.io import decode_json, json_response, read_body
-from supervisor.appkeys import LIBRARY, POOL
-from supervisor.config import ModelSettings
+from supervisor.appkeys import CONFIG, LIBRARY, POOL
+from supervisor.config import Config, ModelSettings
 from supervisor.errors import BadRequest, ModelNotFound
-from supervisor.generation.profile import file_tool_format
+from supervisor.generation.profile import file_tool_format, served_profile
 from supervisor.models.library import ModelEntry
 from supervisor.models.projector import Modalities, projector_modalities
 from supervisor.workers.drafting import describe_speculative
 from supervisor.workers.handle import WorkerState, worker_log_path
 from supervisor.workers.pool import WorkerPool
+from worker.protocol import ModelFacts
 
 
 def model_media(pool: WorkerPool, entry: ModelEntry) -> tuple[Modalities, str]:
@@ -74,7 +76,7 @@ def describe_model(entry: ModelEntry, pool: WorkerPool, for_user: bool = False) 
         "n_layer": facts.n_layer if facts else None,
         "supports_tools": bool(info and info.supports_tools),
         # How tools are offered: "native-<style>" or "generic" (generation/profile.py).
-        "tool_format": file_tool_format(info.chat_template) if info else None,
+        "tool_format": _tool_format(pool, entry),
         "supports_reasoning": bool(info and info.supports_reasoning),
         "usable": entry.usable,
         "reason": (status or {}).get("reason") or entry.reason or pool.speculative.refusals.get(entry.id),
@@ -95,7 +97,60 @@ def describe_model(entry: ModelEntry, pool: WorkerPool, for_user: bool = False) 
         "limits": {"default_max_tokens": pool.cfg.default_max_tokens or None,
                    "request_timeout_s": pool.cfg.request_timeout_s or None,
                    "queue_timeout_s": pool.cfg.queue_timeout_s or None},
+        # Which chat template the model is prompted with, and where it came from.
+        "chat_template": chat_template_view(pool, entry, for_user),
     }
+
+
+def _tool_format(pool: WorkerPool, entry: ModelEntry) -> str | None:
+    """From the template its worker renders with, once it said; before, from the file's own."""
+    facts = _facts(pool, entry)
+    if facts is not None:
+        return served_profile(facts).tool_format
+    return file_tool_format(entry.info.chat_template) if entry.info else None
+
+
+def _facts(pool: WorkerPool, entry: ModelEntry) -> ModelFacts | None:
+    handle = pool.handles.get((entry.id, False))
+    return handle.facts if handle is not None else None
+
+
+def chat_template_view(pool: WorkerPool, entry: ModelEntry, for_user: bool = False) -> dict[str, Any]:
+    """``source``: "override" (the model's chat_template_file setting, named
+    in ``file``), "file" (the model's own), "architecture" (a built-in for
+    it, named in ``name``) or "fallback" (ChatML). Before its worker loads,
+    what the library can tell: null where the vocab decides (a llama GGUF
+    may be Llama 2, Llama 3 or Mistral)."""
+    handle = pool.handles.get((entry.id, False))
+    # A worker started (or starting) runs with its own settings, maybe a load's.
+    override_file = (handle.spec.chat_template_file if handle is not None
+                     else pool.cfg.model_settings(entry.id).chat_template_file)
+    override = str(override_file) if override_file else None
+    facts = handle.facts if handle is not None else None
+    if facts is not None and facts.template_source:
+        source: str | None = facts.template_source
+        name = facts.template_name or None
+    else:
+        source, name = _library_template(entry, override is not None)
+    if source != "override":
+        override = None
+    elif override is not None and for_user:
+        override = Path(override).name  # a user key sees no server paths
+    return {"source": source, "name": name, "file": override}
+
+
+def _library_template(entry: ModelEntry, overridden: bool) -> tuple[str | None, str | None]:
+    """(source, built-in name) as the settings and the model's header tell."""
+    if overridden:
+        return "override", None
+    own = entry.info.chat_template if entry.info else entry.hf.chat_template if entry.hf else None
+    if own is not None:
+        return "file", None
+    architecture = entry.info.architecture if entry.info else entry.hf.model_type if entry.hf else ""
+    name = builtin_name(architecture, None)
+    if name is None:
+        return None, None
+    return ("architecture", name) if name else ("fallback", "chatml")
 
 
 def _structured_output(pool: WorkerPool, entry: ModelEntry) -> str | None:
@@ -140,9 +195,29 @@ async def load_model(request: web.Request) -> web.Response:
     entry = _entry(request)
     body = await read_body(request)
     options = decode_json(body, ModelSettings) if body.strip() else ModelSettings()
+    if options.chat_template_file:
+        path = await asyncio.to_thread(_template_file, options.chat_template_file, request.app[CONFIG])
+        options = msgspec.structs.replace(options, chat_template_file=path)
     pool = request.app[POOL]
     await pool.load(entry.id, options=options)
     return json_response(describe_model(entry, pool))
+
+
+def _template_file(raw: str, cfg: Config) -> str:
+    """A load's chat_template_file, resolved (a relative one in models_dir)
+    and checked; a path from a request must lie in the model library's own
+    folders (the config's [model_defaults] may name any)."""
+    param = "chat_template_file"
+    path = (Path(cfg.models_dir) / Path(raw).expanduser()).resolve()
+    roots = [Path(d).resolve() for d in (cfg.models_dir, *cfg.extra_model_dirs) if d]
+    if not any(path.is_relative_to(root) for root in roots):
+        raise BadRequest("chat_template_file in a load must be inside models_dir or extra_model_dirs; "
+                         "set another path in the model's [model_defaults] of the config", param=param)
+    try:
+        read_template_file(path)
+    except TemplateFileError as exc:
+        raise BadRequest(f"chat_template_file: {exc}", param=param) from exc
+    return str(path)
 
 
 async def unload_model(request: web.Request) -> web.Response:

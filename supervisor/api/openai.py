@@ -34,6 +34,7 @@ from supervisor.generation.images import Images, require_media, require_vision
 from supervisor.generation.output_format import enforce_format
 from supervisor.generation.pieces import Piece, Reasoning, StreamParser, Text, ToolCall
 from supervisor.generation.profile import served_profile
+from supervisor.generation.template_vars import checked_kwargs, merged_vars
 from supervisor.models.library import ModelEntry
 from supervisor.models.projector import Modalities, projector_modalities
 from supervisor.responses.items import new_id
@@ -331,6 +332,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = req.chat_sampling()
     keep_alive = req.keep_alive_s()
     offer = req.tool_offer()
+    checked_kwargs(req.chat_template_kwargs, req.enable_thinking)  # a 400 before any load
     pool = request.app[POOL]
     if images.data:
         # What the linked projector (if any) cannot take is refused before
@@ -351,7 +353,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     schema = params.json_schema
     plan = await asyncio.to_thread(functools.partial(
         tool_plan, messages, params, profile, tools=offer.functions, choice=offer.choice,
-        parallel=req.parallel_calls, template_vars=profile.template_vars(req.reasoning_effort)))
+        parallel=req.parallel_calls,
+        template_vars=merged_vars(profile.template_vars(req.reasoning_effort), req.chat_template_kwargs,
+                                  req.enable_thinking)))
     enforce_format(schema, plan.params, facts, generic_answer=plan.may_answer, strict=req.schema_strict,
                    param="response_format.json_schema.schema", model=req.model)
     async with AsyncExitStack() as stack:

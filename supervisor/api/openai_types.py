@@ -207,6 +207,11 @@ class ChatRequest(Sampling, kw_only=True):
     reasoning_effort: Effort | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # Variables for the chat template, and the shortcut for the one named
+    # enable_thinking (llama-server's and vLLM's extensions; bounds:
+    # supervisor/generation/template_vars.py).
+    chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None
 
     def chat_messages(self, images: Images | None = None) -> list[ChatMessage]:
         """The messages for the worker; image parts are decoded into ``images``

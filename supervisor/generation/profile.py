@@ -9,7 +9,8 @@ How a template takes tools (``ToolSupport``):
 - native: it lists the tools and its model has a call format of its own;
 - unlisted: a call format (DeepSeek-R1's) but no tool list: the tools are
   listed in the system prompt for it, and its own format is kept;
-- none: neither (Llama 2, Gemma, Phi, plain ChatML, a GGUF with no template):
+- none: neither (Llama 2, Gemma, Phi, plain ChatML, the built-in templates
+  of formats/builtin_templates.py for a GGUF with none):
   the tools go in llama.cpp's generic format (``generic_calls``).
 """
 
@@ -150,9 +151,13 @@ def profile_for(template: str | None) -> TemplateProfile:
 
 
 def served_profile(facts: ModelFacts) -> TemplateProfile:
-    """The profile of the template a worker renders with: a model without one
-    is prompted in the worker's ChatML fallback, which offers no tools."""
-    return profile_for(facts.chat_template if facts.has_chat_template else CHATML_FALLBACK)
+    """The profile of the template a worker renders with (its override, the
+    file's own, a built-in for its architecture or the ChatML fallback: none
+    of the last two lists tools). A worker that names no text has the
+    fallback when the model has no template of its own."""
+    if facts.chat_template is None and not facts.has_chat_template:
+        return profile_for(CHATML_FALLBACK)
+    return profile_for(facts.chat_template)
 
 
 def file_tool_format(template: str | None) -> str:

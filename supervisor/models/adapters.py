@@ -26,8 +26,9 @@ import msgspec
 
 # The header reader's own cursor and key parser: its tensor index keeps only
 # sizes, and linking needs each tensor's shape.
+from formats.gguf_layout import TensorRecord, layout_fault
 from supervisor.models.file_faults import FaultLog
-from supervisor.models.gguf_header import GgufError, _Cursor, _parse
+from supervisor.models.gguf_header import GgufError, _alignment, _Cursor, _parse
 
 if TYPE_CHECKING:
     from supervisor.models.library import ModelEntry
@@ -73,6 +74,9 @@ class AdapterEntry(msgspec.Struct, frozen=True, kw_only=True):
     links: list[AdapterLink] = []
     usable: bool = True
     reason: str | None = None
+    # The file's own fault (its tensor data as the engine reads it), when it
+    # has one: then no base takes it, whatever the shapes say.
+    fault: str | None = None
 
 
 class AdapterRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,6 +85,7 @@ class AdapterRef(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     path: str
     size_bytes: int
+    mtime: float = 0.0
 
 
 def pair_id(base_id: str, adapter_id: str) -> str:
@@ -90,7 +95,16 @@ def pair_id(base_id: str, adapter_id: str) -> str:
 # ------------------------------------------------------------------ headers
 
 
-def read_shapes(path: Path) -> tuple[dict[str, Any], Shapes]:
+class Header(msgspec.Struct, frozen=True):
+    """An adapter's (or a base's) header: keys, each tensor's dims, and why
+    the engine would refuse its tensor data (formats/gguf_layout.py), if so."""
+
+    kv: dict[str, Any]
+    shapes: Shapes
+    fault: str | None = None
+
+
+def read_shapes(path: Path) -> Header:
     """The header's keys and each tensor's dims; raises :class:`GgufError`."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
@@ -98,15 +112,18 @@ def read_shapes(path: Path) -> tuple[dict[str, Any], Shapes]:
             _, count, kv, _ = _parse(cur)
             if count > _MAX_TENSORS:
                 raise GgufError(path, f"implausible tensor count {count}")
-            shapes: Shapes = {}
+            records: list[TensorRecord] = []
             for _ in range(count):
                 name = cur.string("tensor name")
                 n_dims = cur.u32(f"tensor {name!r}")
                 if n_dims > _MAX_DIMS:
                     raise GgufError(path, f"tensor {name!r} claims {n_dims} dimensions")
-                shapes[name] = tuple(cur.u64(f"tensor {name!r}") for _ in range(n_dims))
-                cur.skip(12, f"tensor {name!r}")  # type and data offset
-            return kv, shapes
+                dims = tuple(cur.u64(f"tensor {name!r}") for _ in range(n_dims))
+                records.append(TensorRecord(name, dims, cur.u32(f"tensor {name!r}"), cur.u64(f"tensor {name!r}")))
+            alignment = _alignment(cur, kv)
+            fault = layout_fault(records, data_start=-(-cur.pos // alignment) * alignment,
+                                 alignment=alignment, file_size=cur.size)
+            return Header(kv, {r.name: r.dims for r in records}, fault)
     except (OSError, ValueError) as exc:
         raise GgufError(path, f"cannot read file: {exc}") from exc
 
@@ -143,15 +160,15 @@ class HeaderCache:
     """Tensor shapes per file, read again only when its size or mtime changes."""
 
     def __init__(self) -> None:
-        self._cache: dict[str, tuple[int, int, tuple[dict[str, Any], Shapes] | GgufError]] = {}
+        self._cache: dict[str, tuple[int, int, Header | GgufError]] = {}
 
-    def get(self, path: Path) -> tuple[dict[str, Any], Shapes]:
+    def get(self, path: Path) -> Header:
         st = os.stat(path)
         key = str(path)
         hit = self._cache.get(key)
         if hit is None or hit[:2] != (st.st_size, st.st_mtime_ns):
             try:
-                value: tuple[dict[str, Any], Shapes] | GgufError = read_shapes(path)
+                value: Header | GgufError = read_shapes(path)
             except GgufError as exc:
                 value = exc
             hit = self._cache[key] = (st.st_size, st.st_mtime_ns, value)
@@ -255,16 +272,22 @@ class AdapterLinker:
         for a in adapters.values():
             for lk in a.links:
                 if lk.fits:
-                    refs.setdefault(lk.base, []).append(AdapterRef(id=a.id, path=a.path, size_bytes=a.size_bytes))
+                    refs.setdefault(lk.base, []).append(
+                        AdapterRef(id=a.id, path=a.path, size_bytes=a.size_bytes, mtime=a.mtime))
         return {k: msgspec.structs.replace(e, adapters=refs.get(k, [])) for k, e in models.items()}, adapters
 
     def _adapter(self, entry: ModelEntry, bases: list[ModelEntry]) -> AdapterEntry:
         info: AdapterInfo | None = None
         links: list[AdapterLink] = []
+        fault: str | None = None
         try:
-            kv, shapes = self._headers.get(Path(entry.path))
-            info = adapter_info(kv, shapes, Path(entry.path))
+            header = self._headers.get(Path(entry.path))
+            info = adapter_info(header.kv, header.shapes, Path(entry.path))
             links, reason = link(info, entry.id, bases, self._base_shapes)
+            if header.fault is not None:
+                # Listed with its candidates, each refused for the file's own fault.
+                fault = reason = f"the engine would refuse the file: {header.fault}"
+                links = [msgspec.structs.replace(lk, fits=False, reason=fault) for lk in links]
         except GgufError as exc:
             reason = exc.reason
         except OSError as exc:
@@ -272,10 +295,10 @@ class AdapterLinker:
         except Exception as exc:  # a crafted file's fault costs this adapter alone (file_faults.py)
             reason = self._faults.reason(entry.path, "cannot interpret the adapter", exc)
         return AdapterEntry(id=entry.id, path=entry.path, size_bytes=entry.size_bytes, mtime=entry.mtime,
-                            info=info, links=links, usable=reason is None, reason=reason)
+                            info=info, links=links, usable=reason is None, reason=reason, fault=fault)
 
     def _base_shapes(self, base: ModelEntry) -> Shapes:
         shapes: Shapes = {}
         for f in base.files:
-            shapes.update(self._headers.get(Path(f))[1])
+            shapes.update(self._headers.get(Path(f)).shapes)
         return shapes

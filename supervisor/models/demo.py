@@ -81,6 +81,14 @@ def demo_vocab(extra_tokens: int) -> tuple[list[str], list[float], list[int]]:
 _vocab = demo_vocab
 
 
+def with_specials(vocab: tuple[list[str], list[float], list[int]],
+                  specials: tuple[str, ...]) -> tuple[list[str], list[float], list[int]]:
+    """``vocab`` with ``specials`` appended as control tokens."""
+    tokens, scores, types = vocab
+    return ([*tokens, *specials], [*scores, *[0.0] * len(specials)],
+            [*types, *[gguf.TokenType.CONTROL] * len(specials)])
+
+
 def write_tiny_gguf(
     path: Path,
     *,
@@ -94,9 +102,11 @@ def write_tiny_gguf(
     extra_tokens: int = 200,
     chat_template: str | None = CHATML_TEMPLATE,
     name: str = DEMO_MODEL_NAME,
+    specials: tuple[str, ...] = (),
 ) -> Path:
-    """Write a random llama-architecture GGUF (F32) to ``path`` atomically."""
-    tokens, scores, types = demo_vocab(extra_tokens)
+    """Write a random llama-architecture GGUF (F32) to ``path`` atomically;
+    ``specials`` are control tokens added to the vocab (a family's turn markers)."""
+    tokens, scores, types = with_specials(demo_vocab(extra_tokens), specials)
     tmp = path.with_name(path.name + ".tmp")
     w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_name(name)

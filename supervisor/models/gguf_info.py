@@ -118,6 +118,9 @@ class GgufInfo(msgspec.Struct, kw_only=True):
     file_type: int | None = None
     quantization: str | None = None  # e.g. "Q4_K_M", from general.file_type
     context_length: int = 0
+    # The context a model with its own RoPE scaling was trained at before it
+    # (<arch>.rope.scaling.original_context_length); 0 = none named.
+    rope_orig_ctx: int = 0
     n_layer: int = 0
     n_embd: int = 0
     n_vocab: int = 0
@@ -342,6 +345,7 @@ def _general(kv: dict[str, Any], a: str, counts: dict[str, int]) -> dict[str, An
         "file_type": int(file_type) if isinstance(file_type, int) else None,
         "quantization": quantization_name(int(file_type)) if isinstance(file_type, int) else None,
         "context_length": _int(kv, f"{a}.context_length"),
+        "rope_orig_ctx": _int(kv, f"{a}.rope.scaling.original_context_length"),
         "n_vocab": _int(kv, f"{a}.vocab_size", counts.get("tokenizer.ggml.tokens", 0)),
         "split_count": _int(kv, "split.count"),
         "split_no": _int(kv, "split.no"),

@@ -199,7 +199,8 @@ class ModelLibrary:
             adapters[adapter.id] = adapter
             for lk in adapter.links:
                 refs.setdefault(lk.base, []).append(
-                    AdapterRef(id=adapter.id, path=adapter.path, size_bytes=adapter.size_bytes))
+                    AdapterRef(id=adapter.id, path=adapter.path, size_bytes=adapter.size_bytes,
+                               mtime=adapter.mtime))
         for base, more in refs.items():
             entries[base] = msgspec.structs.replace(entries[base], adapters=[*entries[base].adapters, *more])
         return entries, adapters

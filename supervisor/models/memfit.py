@@ -58,6 +58,15 @@ class ContextDecision(msgspec.Struct, frozen=True, kw_only=True):
     n_gpu_layers_asked: int = -1
     placement: str = ""  # why that many layers
     host_bytes: int = 0  # weights and KV cache that partial offload leaves in RAM
+    # The most context a slot can get (the native context, or what RoPE
+    # scaling reaches; 0 = not capped), and the scaling the engine is given.
+    max_ctx: int = 0
+    rope_scaling: str = "none"
+    rope_scale: float = 0.0
+    yarn_orig_ctx: int = 0
+    # Engine slots, each with a KV cache of n_ctx (costed above), and why that many.
+    slots: int = 1
+    slots_reason: str = ""
 
     @property
     def partial_offload(self) -> bool:
@@ -305,6 +314,7 @@ def _decision(ask: _Ask, n_ctx: int, reason: str, need: Need, layers: int, engin
         n_gpu_layers_asked=ask.n_gpu_layers,
         placement=placement,
         host_bytes=need.host,
+        slots=max(1, ask.opts.slots),
     )
 
 

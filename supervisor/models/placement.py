@@ -13,7 +13,10 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
+import msgspec
+
 from supervisor.config import ModelSettings
+from supervisor.errors import BadRequest
 from supervisor.models.adapters import adapter_bytes
 from supervisor.models.draft import SpeculativePlan, draft_bytes, draft_outputs
 from supervisor.models.gguf_info import (
@@ -23,10 +26,12 @@ from supervisor.models.gguf_info import (
     read_tensor_sizes,
 )
 from supervisor.models.hf_fit import plan_hf_load
-from supervisor.models.kvsize import KvOptions
+from supervisor.models.kvsize import KvOptions, align_up
 from supervisor.models.library import ModelEntry
 from supervisor.models.memfit import ContextDecision, choose_context
 from supervisor.models.memory import MemorySnapshot, free_memory
+from supervisor.models.rope import cap_note, context_reach
+from supervisor.models.slots import SlotAsk, with_slots
 
 log = logging.getLogger("gpuvisor.placement")
 
@@ -104,38 +109,68 @@ FALLBACK_CTX = 4096
 
 def plan_load(entry: ModelEntry, settings: ModelSettings, *, explicit_ctx: bool, target_ctx: int,
               min_ctx: int, free_bytes: int, memory_kind: str, slots: int = 1,
-              embedding: bool = False, draft: SpeculativePlan | None = None) -> ContextDecision | None:
-    """The context and GPU layers to load with, or None when the header is
-    unreadable (the worker then fails to load it, exit code 3, and reports why).
+              embedding: bool = False, draft: SpeculativePlan | None = None,
+              slot_ask: SlotAsk | None = None) -> ContextDecision | None:
+    """The context, slots and GPU layers to load with, or None when the
+    header is unreadable (the worker then fails to load it, exit code 3, and
+    reports why).
 
-    Raises DoesNotFit (400) when nothing fits in ``free_bytes``. Reads the
-    headers of a shard set's further files: call it in a thread.
+    ``slot_ask`` (default: exactly ``slots``) says how many slots are
+    planned with the context and how many an automatic count may grow to
+    (supervisor/models/slots.py). An explicit n_ctx is capped at what a slot
+    can reach (supervisor/models/rope.py), and the reason says so. Raises
+    DoesNotFit (400) when nothing fits in ``free_bytes``. Reads the headers
+    of a shard set's further files: call it in a thread.
     """
+    ask = slot_ask or SlotAsk(slots, slots, explicit=True)
+    requested = settings.n_ctx if explicit_ctx else None
     if entry.hf is not None:  # a vLLM worker (supervisor/models/hf_fit.py)
-        return plan_hf_load(entry.hf, requested=settings.n_ctx if explicit_ctx else None,
-                            target_ctx=target_ctx, min_ctx=min_ctx, free_bytes=free_bytes,
-                            memory_kind=memory_kind, slots=slots)
+        if settings.rope_scaling == "yarn":
+            raise BadRequest("rope_scaling applies to GGUF models (llama.cpp); this one runs in vLLM",
+                             param="rope_scaling")
+        hf = plan_hf_load(entry.hf, requested=requested, target_ctx=target_ctx, min_ctx=min_ctx,
+                          free_bytes=free_bytes, memory_kind=memory_kind, slots=ask.base)
+        return msgspec.structs.replace(hf, slots=ask.base, slots_reason=f"parallel {ask.base}")
     info = entry.info
     if info is None:
         return None
-    opts = kv_options(settings, slots=slots, embedding=embedding)
-    native = info.context_length or target_ctx or FALLBACK_CTX
-    requested = settings.n_ctx if explicit_ctx else None
-    return choose_context(
-        info,
-        weight_bytes=entry.size_bytes,
-        free_bytes=free_bytes,
-        requested=requested,
-        target=min(target_ctx or native, native) if requested is None else None,
-        floor=min(min_ctx, native),
-        opts=opts,
-        # The projector is one fixed block, held back like the runtime's own.
-        reserve_bytes=(GPU_RUNTIME_RESERVE if memory_kind == "gpu" else 0) + projector_bytes(entry, embedding)
-        # A draft model's weights and KV, sized for the largest context this plan may choose.
-        + draft_bytes(entry, draft, n_ctx=requested or min(target_ctx or native, native), slots=slots)
-        # The LoRA adapters its worker holds (supervisor/models/adapters.py).
-        + (0 if embedding else adapter_bytes(entry.adapters)),
-        memory_kind=memory_kind,
-        n_gpu_layers=settings.n_gpu_layers if settings.n_gpu_layers is not None else -1,
-        tensors=shard_tensor_sizes(entry, info),
-    )
+    reach = context_reach(settings, native=info.context_length, header_orig=info.rope_orig_ctx,
+                          requested=requested)
+    native = reach.limit or target_ctx or FALLBACK_CTX
+    sizes = shard_tensor_sizes(entry, info)
+
+    def plan(n_slots: int, n_ctx: int | None) -> ContextDecision:
+        return choose_context(
+            info,
+            weight_bytes=entry.size_bytes,
+            free_bytes=free_bytes,
+            requested=n_ctx,
+            target=min(target_ctx or native, native) if n_ctx is None else None,
+            floor=min(min_ctx, native),
+            opts=kv_options(settings, slots=n_slots, embedding=embedding),
+            # The projector is one fixed block, held back like the runtime's own.
+            reserve_bytes=(GPU_RUNTIME_RESERVE if memory_kind == "gpu" else 0) + projector_bytes(entry, embedding)
+            # A draft model's weights and KV, sized for the largest context this plan may choose.
+            + draft_bytes(entry, draft, n_ctx=n_ctx or min(target_ctx or native, native), slots=n_slots)
+            # The LoRA adapters its worker holds (supervisor/models/adapters.py).
+            + (0 if embedding else adapter_bytes(entry.adapters)),
+            memory_kind=memory_kind,
+            n_gpu_layers=settings.n_gpu_layers if settings.n_gpu_layers is not None else -1,
+            tensors=sizes,
+        )
+
+    decision = plan(ask.base, min(requested, reach.limit or requested) if requested is not None else None)
+    notes = [reach.note, cap_note(requested, reach) if requested is not None else "", decision.reason]
+    decision = msgspec.structs.replace(
+        decision, n_ctx=served_context(decision.n_ctx, reach.limit), requested=requested,
+        reason="; ".join(n for n in notes if n),
+        max_ctx=reach.limit, rope_scaling=reach.rope_scaling, rope_scale=reach.rope_scale,
+        yarn_orig_ctx=reach.yarn_orig_ctx)
+    return with_slots(decision, ask, plan)
+
+
+def served_context(n_ctx: int, limit: int) -> int:
+    """The context a slot of ``n_ctx`` gets: the engine pads it to a whole
+    256 cells (memfit costs those cells already), then caps it at ``limit``."""
+    padded = align_up(n_ctx)
+    return min(padded, limit) if limit > 0 else padded

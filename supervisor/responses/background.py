@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from supervisor.errors import Unavailable
+from supervisor.db import until_stored
+from supervisor.errors import StorageFull, Unavailable
 from supervisor.responses.store import ResponseStore
 
 log = logging.getLogger(__name__)
@@ -49,26 +50,42 @@ class BackgroundTasks:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cancel_requested: set[str] = set()
         self._pruner: asyncio.Task[None] | None = None
+        # Marks the responses a restart interrupted, if the full disk refused it at start.
+        self._recovery: asyncio.Task[None] | None = None
         self._stopping = False
 
     async def start(self) -> None:
-        interrupted = await self._store.interrupt_unfinished()
+        unfinished = await self._store.unfinished()
+        try:
+            await self._interrupt(unfinished)
+        except StorageFull:
+            # A full disk must not stop the start: they are marked once it has
+            # space (only these: the ones created meanwhile are this run's own).
+            self._recovery = asyncio.create_task(
+                until_stored(lambda: self._interrupt(unfinished),
+                             f"the failed state of {len(unfinished)} interrupted background responses"),
+                name="responses-recovery")
+        if self._retention_s > 0:  # 0 keeps stored responses forever
+            try:
+                await self.prune_once()
+            except StorageFull:
+                log.warning("pruning stored responses needs disk space too; retrying next interval")
+            self._pruner = asyncio.create_task(self._prune_loop(), name="responses-prune")
+
+    async def _interrupt(self, unfinished: list[str]) -> None:
+        interrupted = await self._store.interrupt_unfinished(unfinished)
         if interrupted:
             log.warning("marked %d unfinished background responses as failed (interrupted)", interrupted)
-        if self._retention_s > 0:  # 0 keeps stored responses forever
-            await self.prune_once()
-            self._pruner = asyncio.create_task(self._prune_loop(), name="responses-prune")
 
     async def stop(self) -> None:
         self._stopping = True
         tasks = list(self._tasks.values())
-        if self._pruner is not None:
-            tasks.append(self._pruner)
+        tasks += [t for t in (self._pruner, self._recovery) if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
-        self._pruner = None
+        self._pruner = self._recovery = None
 
     # ------------------------------------------------------------ responses
 
@@ -126,6 +143,6 @@ class BackgroundTasks:
             await asyncio.sleep(self._prune_interval_s)
             try:
                 await self.prune_once()
-            except sqlite3.Error:
+            except (sqlite3.Error, StorageFull):
                 # A busy or failing database must not stop later prunes.
                 log.exception("pruning stored responses failed; retrying next interval")

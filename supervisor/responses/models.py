@@ -17,6 +17,7 @@ import msgspec
 from supervisor.api.io import validation_param
 from supervisor.errors import BadRequest
 from supervisor.generation.images import Images
+from supervisor.generation.template_vars import checked_kwargs
 from supervisor.generation.tools import (
     FunctionTool,
     Offer,
@@ -108,6 +109,10 @@ class CreateRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     # Extension shared with our chat completions: a <base>:<adapter> model's adapter scale.
     lora_scale: float | None = None
+    # Extensions shared with our chat completions: chat template variables,
+    # and the shortcut for enable_thinking (supervisor/generation/template_vars.py).
+    chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None
     # Hosted features with no local meaning: any value but null is a 400.
     conversation: None = None
     prompt: None = None
@@ -189,6 +194,7 @@ def validate(body: CreateRequest) -> ValidRequest:
     if not items and body.previous_response_id is None:
         raise BadRequest("input is required", param="input")
     offered = offer(body.tools, body.tool_choice)
+    checked_kwargs(body.chat_template_kwargs, body.enable_thinking)
     if body.background and not body.store:
         raise BadRequest("background responses must be stored (store: true)", param="background")
     return ValidRequest(body=body, items=items, offer=offered)

@@ -10,7 +10,7 @@ always ending with exactly one terminal event.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,6 +25,7 @@ from supervisor.generation.output_format import enforce_format
 from supervisor.generation.parse import OutputParser
 from supervisor.generation.pieces import Piece, StreamParser, ToolCall
 from supervisor.generation.profile import TemplateProfile, served_profile
+from supervisor.generation.template_vars import merged_vars
 from supervisor.generation.tools import FunctionTool, NamedFunction, Offer, PlanChoice
 from supervisor.responses.convert import collect_images, template_tools, to_messages
 from supervisor.responses.events import Event, EventBuilder
@@ -257,7 +258,7 @@ def plan(req: CreateRequest, history: list[Item], items: list[Item], facts: Mode
         tools=offer.functions,
         choice=offer.choice,
         parallel=req.parallel_tool_calls,
-        template_vars=profile.template_vars(effort),
+        template_vars=merged_vars(profile.template_vars(effort), req.chat_template_kwargs, req.enable_thinking),
         namespaces=offer.namespaces,
     )
     fmt = req.text.format
@@ -308,6 +309,7 @@ async def run(
     request_id: str = "",
     raise_early: bool = False,
     admitted: Outputs | None = None,
+    halt: Callable[[], ApiError | None] | None = None,
 ) -> AsyncGenerator[Event, None]:
     """Yield every event of the response, ending with one terminal event.
 
@@ -315,6 +317,8 @@ async def run(
     worker rejects (e.g. too long) raises before any output, so the caller can
     answer 404/503/400, instead of producing a failed response. ``admitted``
     is a generation the caller already queued (to refuse it as HTTP).
+    ``halt``, asked after each output's events, stops the generation with
+    the error it returns: the response fails with it.
     """
     for event in builder.start():
         yield event
@@ -337,6 +341,8 @@ async def run(
                 logprobs = text_logprobs.take(out.logprobs, pieces) if text_logprobs else None
                 for event in builder.pieces(pieces, logprobs):
                     yield event
+                if halt is not None and (stop := halt()) is not None:
+                    raise stop
         finally:
             # Leaving early (client gone, cancelled) cancels the generation.
             await outputs.aclose()

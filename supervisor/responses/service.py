@@ -11,6 +11,7 @@ leave and resume from a sequence number.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from supervisor.errors import (
     Conflict,
     ModelNotFound,
     NotFound,
+    StorageFull,
     Unavailable,
 )
 from supervisor.responses import truncation
@@ -206,19 +208,39 @@ class ResponsesService:
             try:
                 # Stays queued until a slot frees (a cancel meanwhile is recorded below).
                 async with self.background.slot():
-                    resp.status = "in_progress"
-                    await self.store.update(resp)
+                    await self._mark_running(resp)
                     await self._generate_into(log, resp, valid, history, builder)
             except asyncio.CancelledError:
                 if self.background.cancel_requested(resp.id):
                     builder.cancelled()
                 else:
                     await log.add(builder.failed("interrupted", "the server shut down while this response ran"))
-                await self.store.update(resp)
+                log.close()
+                # No waiting for the disk here: a cancel then answers 507, and
+                # boot recovery marks a response shut down unsaved interrupted.
+                with contextlib.suppress(StorageFull):
+                    await log.store_end(resp)
                 raise
-            await self.store.update(resp)
+            # Followers have the terminal event: their streams end now, while
+            # a full disk may hold up storing it (a replay reads it from here).
+            log.close()
+            try:
+                await log.store_end_eventually(resp)
+            except asyncio.CancelledError:
+                # Shut down (or deleted) with the end unsaved: a last try, else boot recovery marks it interrupted.
+                with contextlib.suppress(StorageFull):
+                    await log.store_end(resp)
+                raise
         finally:
             await self.live.finish(resp.id)
+
+    async def _mark_running(self, resp: ResponseObject) -> None:
+        resp.status = "in_progress"
+        try:
+            await self.store.update(resp)
+        except StorageFull:
+            # The generation needs no disk: the row says queued until its end is stored.
+            return
 
     async def _generate_into(self, log: LiveEvents, resp: ResponseObject, valid: ValidRequest,
                              history: list[Item], builder: EventBuilder) -> None:
@@ -228,7 +250,8 @@ class ResponsesService:
             await log.add(builder.start())
             await log.add(builder.failed(exc.code or "server_error", exc.message))
             return
-        async for event in run(self.pool, resp.model, generation, builder, request_id=resp.id, admitted=outputs):
+        async for event in run(self.pool, resp.model, generation, builder, request_id=resp.id, admitted=outputs,
+                               halt=log.refusal):
             await log.add([event])
 
     async def follow(self, response_id: str, after: int, scope: str | None = None) -> ResponseStream:
@@ -252,12 +275,13 @@ class ResponsesService:
         return resp
 
     async def delete(self, response_id: str, scope: str | None = None) -> None:
-        if scope is not None:
-            await self.get(response_id, scope)  # NotFound before anything is cancelled
-        await self.background.cancel(response_id)
-        await self.live.finish(response_id)
+        # The row first: a full disk refusing it (507) leaves a running
+        # response running, not cancelled with its end unsaved. A task still
+        # running stores nothing for a row that is gone.
         if not await self.store.delete(response_id, scope):
             raise NotFound(f"response {response_id!r} not found", param="response_id")
+        await self.background.cancel(response_id)
+        await self.live.finish(response_id)
 
     async def cancel(self, response_id: str, scope: str | None = None) -> ResponseObject:
         resp = await self.get(response_id, scope)
@@ -267,6 +291,10 @@ class ResponsesService:
             return resp
         if resp.terminal:
             raise Conflict(f"response {response_id!r} already finished ({resp.status})", code="response_finished")
+        live = self.live.get(response_id)
+        if live is not None and live.final is not None:
+            raise Conflict(f"response {response_id!r} already finished ({live.final.status}); the full disk "
+                           "holds up storing it", code="response_finished")
         await self.background.cancel(response_id)
         resp = await self.get(response_id)
         if not resp.terminal:

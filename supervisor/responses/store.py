@@ -12,6 +12,7 @@ starts at the oldest response still stored.
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 import msgspec
@@ -130,6 +131,19 @@ class ResponseStore:
             await conn.executemany(_INSERT_EVENT, [(response_id, first_seq + i, ev.type, ev.data, response_id)
                                                    for i, ev in enumerate(events)])
 
+    async def finish(self, resp: ResponseObject, first_seq: int, events: list[Event]) -> bool:
+        """Store a background response's last ``events`` (numbered from
+        ``first_seq``) and its final state in one transaction, so a stored
+        terminal event always goes with a finished row; False if it was deleted."""
+        async with self._db.write() as conn:
+            await conn.executemany(_INSERT_EVENT, [(resp.id, first_seq + i, ev.type, ev.data, resp.id)
+                                                   for i, ev in enumerate(events)])
+            cur = await conn.execute(
+                "UPDATE responses SET status = ?, body = ? WHERE id = ?",
+                (resp.status, _body_encoder.encode(resp), resp.id),
+            )
+            return cur.rowcount == 1
+
     async def events(self, response_id: str, after: int) -> list[Event]:
         """The stored events of a response with a sequence number above ``after``."""
         async with self._db.reader.execute(
@@ -236,13 +250,25 @@ class ResponseStore:
             )
             return cur.rowcount
 
-    async def interrupt_unfinished(self) -> int:
-        """At boot: background responses left queued or running become failed,
-        and their stored events end with that ``response.failed``."""
+    async def unfinished(self) -> list[str]:
+        """The ids of the responses stored as queued or running."""
+        async with self._db.reader.execute("SELECT id FROM responses WHERE status IN (?, ?)", _UNFINISHED) as cur:
+            return [str(row[0]) for row in await cur.fetchall()]
+
+    async def interrupt_unfinished(self, only: list[str] | None = None) -> int:
+        """At boot: background responses left queued or running (of ``only``,
+        if given) become failed, and their stored events end with that
+        ``response.failed``. One transaction: the full disk refuses all or none."""
+        where = "r.status IN (?, ?)"
+        params: list[object] = list(_UNFINISHED)
+        if only is not None:
+            # One parameter however many: no limit on SQL variables to meet.
+            where += " AND r.id IN (SELECT value FROM json_each(?))"
+            params.append(json.dumps(only))
         async with self._db.write() as conn:
             async with conn.execute(
                 "SELECT r.body, (SELECT MAX(e.seq) FROM response_events e WHERE e.response_id = r.id)"
-                " FROM responses r WHERE r.status IN (?, ?)", _UNFINISHED
+                f" FROM responses r WHERE {where}", params
             ) as cur:
                 rows = list(await cur.fetchall())
             for row in rows:

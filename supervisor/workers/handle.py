@@ -84,6 +84,9 @@ class WorkerHandle:
         self.last_seen = self.clock()
         # Seconds to stay loaded after the last request; negative = forever.
         self.keep_alive = 300.0
+        # The enable_thinking template variable of a request that sets none
+        # (the model's enable_thinking setting); None = the template's default.
+        self.enable_thinking: bool | None = None
         self.stats: p.WorkerStats | None = None
         self.crash_times: deque[float] = deque()
         # Whether a crash counts toward crash_limit, given the requests in flight

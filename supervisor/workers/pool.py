@@ -29,6 +29,7 @@ from supervisor.models.draft import SpeculativePlan, plan_speculative
 from supervisor.models.gpu_place import GpuPlacement
 from supervisor.models.library import ModelEntry
 from supervisor.models.memfit import ContextDecision
+from supervisor.models.slots import SlotAsk, slot_ask
 from supervisor.models.source import LibrarySource
 from supervisor.workers import adapter_route, launch_spec, submit, views
 from supervisor.workers.drafting import SpeculativeBook
@@ -160,13 +161,14 @@ class WorkerPool:
             plan = await self._plan_speculative(entry, settings, embedding)
             if handle is not None and self._reusable(handle, entry, options, settings, plan):
                 handle.keep_alive = parse_duration(settings.keep_alive or 0)
+                handle.enable_thinking = settings.enable_thinking
                 return handle
             # A context set for this model in the config is as explicit as one in a load body.
             own = self.cfg.model_defaults.get(model_id)
             explicit_ctx = bool(options and options.n_ctx) or (own is not None and own.n_ctx is not None)
             # Before anything is stopped for it: a load that can never fit evicts nothing.
-            await self.room.check_fits_at_all(entry, settings, explicit_ctx, self._parallel(settings), embedding,
-                                              draft=plan)
+            await self.room.check_fits_at_all(entry, settings, explicit_ctx, self._slots(settings, embedding),
+                                              embedding, draft=plan)
             if handle is not None:
                 await self._drop(key, f"model {model_id} is being reloaded with new settings")
             return await self._start_handle(key, entry, settings, explicit_ctx, plan)
@@ -189,28 +191,28 @@ class WorkerPool:
                   settings: ModelSettings, plan: SpeculativePlan) -> bool:
         """Is the running worker what this load asks for (so the load is a no-op)?"""
         return (handle.state is not WorkerState.FAILED
-                and launch_spec.unchanged(handle, entry, options, settings, self.fits.get(handle_key(handle)),
-                                          self._parallel(settings))
+                and launch_spec.unchanged(handle, entry, options, settings, self.fits.get(handle_key(handle)))
                 and handle.spec.speculative == plan.options)
 
-    def _parallel(self, settings: ModelSettings) -> int:
-        return launch_spec.parallel_for(settings, self.device)
+    def _slots(self, settings: ModelSettings, embedding: bool) -> SlotAsk:
+        return slot_ask(settings, self.device, embedding=embedding)
 
     async def _start_handle(self, key: tuple[str, bool], entry: ModelEntry, settings: ModelSettings,
                             explicit_ctx: bool, plan: SpeculativePlan | None = None) -> WorkerHandle:
         model_id, embedding = key
-        parallel = self._parallel(settings)
+        slots = self._slots(settings, embedding)
         await self.room.make_room_by_count(model_id)
         plan = plan or SpeculativePlan()
-        decision, placed = await self.room.fit_placed(entry, settings, explicit_ctx, parallel, embedding,
+        decision, placed = await self.room.fit_placed(entry, settings, explicit_ctx, slots, embedding,
                                                       draft=plan)
-        spec = launch_spec.build_spec(key, entry, settings, decision, placed, plan, parallel=parallel,
+        spec = launch_spec.build_spec(key, entry, settings, decision, placed, plan, parallel=slots.base,
                                       n_threads=self.cfg.n_threads, default_ctx=self.cfg.n_ctx,
                                       device=self.device, pinned=self.room.gpus is not None,
                                       vllm_python=self.cfg.vllm_python)
         handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit, self._clock,
                               queue_timeout=self.cfg.queue_timeout_s)
         handle.keep_alive = parse_duration(settings.keep_alive or 0)
+        handle.enable_thinking = settings.enable_thinking
         handle.crash_counts = lambda in_flight: crash_counts(self.poison, self.crash_keys, model_id, in_flight)
         handle.on_failed = functools.partial(self._failed, key, handle)
         self.handles[key] = handle
@@ -315,7 +317,9 @@ class WorkerPool:
     async def _route(self, model: str, lora_scale: float | None = None) -> adapter_route.Route:
         """A ``<base>:<adapter>`` id runs on its base's worker (supervisor/workers/adapter_route.py)."""
         route = adapter_route.plan(self.models, model, lora_scale)
-        if adapter_route.needs_restart(route, self.handles.get((route.model, False))):
+        entry = self.models.entry(route.model) if route.adapter else None
+        adapters = entry.adapters if entry is not None else []
+        if adapter_route.needs_restart(route, self.handles.get((route.model, False)), adapters):
             await self.unload(route.model)
         return route
 
@@ -347,21 +351,25 @@ class WorkerPool:
         keep loaded) overrides how long the model stays loaded afterwards.
         ``lora_scale`` scales the adapter of a ``<base>:<adapter>`` model.
         ``caller`` is who asked (supervisor/api/callers.py): crashes are blamed on it.
-        The runaway guard applies here, to every API alike: a request with no
-        token limit gets ``default_max_tokens``, a limit above the model's
-        context is clamped to it (``output_ceiling``), and
-        ``request_timeout_s`` bounds how long it runs.
+        A chat without an ``enable_thinking`` template variable gets the
+        model's setting of it, if any. The runaway guard applies here, to
+        every API alike: a request with no token limit gets
+        ``default_max_tokens``, a limit above the model's context is clamped
+        to it (``output_ceiling``), and ``request_timeout_s`` bounds how long it runs.
         """
         route = await self._route(model, lora_scale)
         handle = await self.load(route.model)
         if keep_alive is not None:
             handle.keep_alive = keep_alive
         params = params or p.SamplingParams()
+        template_vars = template_vars or {}
+        if messages is not None and handle.enable_thinking is not None and "enable_thinking" not in template_vars:
+            template_vars = {**template_vars, "enable_thinking": handle.enable_thinking}
         if params.max_tokens is None and self.cfg.default_max_tokens:
             params = msgspec.structs.replace(params, max_tokens=self.cfg.default_max_tokens)
         params = output_ceiling(handle, model, params, request_id)
         msg = p.Generate(0, params, messages, prompt, tools,
-                         template_vars or {}, request_id, images or [],
+                         template_vars, request_id, images or [],
                          adapter=route.adapter, adapter_scale=route.scale)
         return Generation(self.on_done, model, handle, self._submit(handle, msg, caller),
                           time_limit=self.cfg.request_timeout_s)
@@ -375,7 +383,7 @@ class WorkerPool:
         finally:
             handle.cancel(pend)
         if isinstance(ev, (p.Error, WorkerGone)):
-            raise as_api_error(ev)
+            raise as_api_error(ev, handle)
         return ev
 
     async def embed(self, model: str, inputs: list[str], caller: str = "") -> p.Embeddings:

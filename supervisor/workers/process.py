@@ -168,12 +168,15 @@ class WorkerProcess:
         if s.cache_type != "f16":
             args += ["--cache-type", s.cache_type]
         args += s.speculative.argv()
+        args += s.rope.argv()
         if s.tensor_split:
             args += ["--tensor-split", ",".join(f"{x:.4f}" for x in s.tensor_split)]
         if s.mmproj is not None:
             args += ["--mmproj", str(s.mmproj)]
         for adapter in s.lora:
             args += ["--lora", str(adapter)]
+        if s.chat_template_file is not None:
+            args += ["--chat-template-file", str(s.chat_template_file)]
         return args
 
     async def _exec(self, sock: Path) -> asyncio.subprocess.Process:

@@ -62,6 +62,26 @@ _CLIENT_ERRORS: dict[str, Blame | None] = {
 CONTEXT_HINT = ("For a longer context, load the model with a larger n_ctx: the n_ctx setting "
                 "(or [model_defaults.\"<model>\"] n_ctx in the config), or POST /api/models/<model>/load "
                 "with {\"n_ctx\": N}")
+_SCALED_HINT = ("{n} is as far as its YaRN scaling reaches: for more, load it with a larger n_ctx"
+                " (or rope_scale) and rope_scaling \"yarn\", e.g. POST /api/models/<model>/load with"
+                " {{\"n_ctx\": N, \"rope_scaling\": \"yarn\"}}")
+_NATIVE_HINT = ("{n} is the model's whole native context, so a larger n_ctx alone is capped there."
+                " Past it takes RoPE scaling: POST /api/models/<model>/load with"
+                " {{\"n_ctx\": N, \"rope_scaling\": \"yarn\"}} (or rope_scaling = \"yarn\" in"
+                " [model_defaults.\"<model>\"]); how well a model reads past its trained length varies")
+_WHOLE_HINT = "{n} is the model's whole context; this engine takes no scaling past it"
+
+
+def context_hint(handle: WorkerHandle | None) -> str:
+    """The advice for a prompt over the context: a larger n_ctx only where
+    the worker runs less than it could have (the engine caps a slot at the
+    model's training context, or at what YaRN scaling reaches)."""
+    facts = handle.facts if handle is not None else None
+    if handle is None or facts is None or facts.n_ctx < facts.n_ctx_train:
+        return CONTEXT_HINT
+    if handle.spec.engine != "llamacpp":
+        return _WHOLE_HINT.format(n=facts.n_ctx)
+    return (_SCALED_HINT if handle.spec.rope.freq_scale else _NATIVE_HINT).format(n=facts.n_ctx)
 
 
 class Generation:
@@ -120,7 +140,7 @@ class Generation:
         self._ahead = ev
         if not isinstance(ev, (p.Delta, p.Done)):
             await self.aclose()
-            raise as_api_error(ev)
+            raise as_api_error(ev, self._handle)
 
     async def _next(self) -> p.FromWorker | WorkerGone:
         if self._ahead is not None:
@@ -149,7 +169,7 @@ class Generation:
             for observe in self._on_done:
                 observe(self._model, ev)
             return ev
-        raise as_api_error(ev)
+        raise as_api_error(ev, self._handle)
 
     async def aclose(self) -> None:
         if self._timer is not None:
@@ -159,7 +179,9 @@ class Generation:
             self._handle.cancel(self._pend)
 
 
-def as_api_error(ev: p.Error | WorkerGone | p.FromWorker) -> ApiError:
+def as_api_error(ev: p.Error | WorkerGone | p.FromWorker, handle: WorkerHandle | None = None) -> ApiError:
+    """The API error for ``ev``; ``handle`` (its worker) shapes the advice
+    for a prompt over the context."""
     if isinstance(ev, WorkerGone):
         if ev.code == "worker_crashed":
             # The same request may crash the restarted worker again.
@@ -172,7 +194,8 @@ def as_api_error(ev: p.Error | WorkerGone | p.FromWorker) -> ApiError:
     if isinstance(ev, p.Error):
         if ev.code in _CLIENT_ERRORS:
             cause = _CLIENT_ERRORS[ev.code]
-            message = f"{ev.message}. {CONTEXT_HINT}" if ev.code == "context_length_exceeded" else ev.message
+            message = (f"{ev.message}. {context_hint(handle)}" if ev.code == "context_length_exceeded"
+                       else ev.message)
             if cause is None:
                 return BadRequest(message, code=ev.code)
             return Rejected(message, code=ev.code, cause=cause)

@@ -23,6 +23,7 @@ from supervisor.models.library import ModelEntry
 from supervisor.models.memfit import ContextDecision, DoesNotFit
 from supervisor.models.memory import MemorySnapshot, free_memory
 from supervisor.models.placement import measure_free, plan_load
+from supervisor.models.slots import SlotAsk
 from supervisor.workers.gpu_room import GpuRoom
 from supervisor.workers.handle import WorkerHandle, WorkerState
 
@@ -61,7 +62,7 @@ class Room:
         self.changed = changed  # the pool's own changes (a handle added or dropped)
 
     async def check_fits_at_all(self, entry: ModelEntry, settings: ModelSettings,
-                                explicit_ctx: bool, parallel: int, embedding: bool,
+                                explicit_ctx: bool, slots: SlotAsk, embedding: bool,
                                 draft: SpeculativePlan | None = None) -> None:
         """Raise DoesNotFit (400, param n_ctx) when the load would not fit even
         in all of the memory (or the whole budget) with no model loaded: then
@@ -75,16 +76,16 @@ class Room:
                 ceiling = min(ceiling, self.cfg.memory_budget_mib << 20)
         await asyncio.to_thread(
             plan_load, entry, settings, explicit_ctx=explicit_ctx, target_ctx=self.cfg.n_ctx,
-            min_ctx=self.cfg.min_ctx, free_bytes=ceiling, memory_kind=kind, slots=parallel,
+            min_ctx=self.cfg.min_ctx, free_bytes=ceiling, memory_kind=kind, slots=slots.base,
             embedding=embedding, draft=draft)
 
     async def fit(self, entry: ModelEntry, settings: ModelSettings,
-                  explicit_ctx: bool, parallel: int, embedding: bool,
+                  explicit_ctx: bool, slots: SlotAsk, embedding: bool,
                   draft: SpeculativePlan | None = None) -> ContextDecision | None:
-        return (await self.fit_placed(entry, settings, explicit_ctx, parallel, embedding, draft))[0]
+        return (await self.fit_placed(entry, settings, explicit_ctx, slots, embedding, draft))[0]
 
     async def _plan(self, entry: ModelEntry, settings: ModelSettings, explicit_ctx: bool,
-                    parallel: int, embedding: bool,
+                    slots: SlotAsk, embedding: bool,
                     draft: SpeculativePlan | None) -> tuple[ContextDecision | None, GpuPlacement]:
         """One look at the memory and the plan in it; DoesNotFit when it does not fit."""
         # A failed worker runs no process: what it was planned to use is free.
@@ -94,7 +95,7 @@ class Room:
         def plan(free: int, kind: str) -> ContextDecision | None:
             return plan_load(entry, settings, explicit_ctx=explicit_ctx, target_ctx=self.cfg.n_ctx,
                              min_ctx=self.cfg.min_ctx, free_bytes=free, memory_kind=kind,
-                             slots=parallel, embedding=embedding, draft=draft)
+                             slot_ask=slots, embedding=embedding, draft=draft)
 
         if self.gpus is None:
             free, kind = await measure_free(self.cfg.memory_budget_mib << 20, committed)
@@ -116,7 +117,7 @@ class Room:
         return decision, placed
 
     async def fit_placed(self, entry: ModelEntry, settings: ModelSettings,
-                         explicit_ctx: bool, parallel: int, embedding: bool,
+                         explicit_ctx: bool, slots: SlotAsk, embedding: bool,
                          draft: SpeculativePlan | None = None
                          ) -> tuple[ContextDecision | None, GpuPlacement]:
         """The fit and the devices of a new worker, evicting idle ones (and
@@ -124,7 +125,7 @@ class Room:
         deadline = asyncio.get_running_loop().time() + self.cfg.load_wait_timeout
         while True:
             try:
-                decision, placed = await self._plan(entry, settings, explicit_ctx, parallel,
+                decision, placed = await self._plan(entry, settings, explicit_ctx, slots,
                                                     embedding, draft)
                 # Idle models give way before layers go to the CPU; busy ones are not waited for.
                 if decision is not None and decision.partial_offload and await self.evict_lru(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.protocol import SpeculativeOptions
+from worker.protocol import RopeOptions, SpeculativeOptions
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,11 @@ class WorkerSpec:
     parallel: int = 1
     # The vision projector (mmproj) to load with the model, if the library links one.
     mmproj: Path | None = None
-    # GGUF LoRA adapters the worker holds, applied per request.
+    # GGUF LoRA adapters the worker holds, applied per request, and each
+    # one's (size, mtime) as the library saw it then: a file changed since is
+    # not what the worker holds.
     lora: tuple[Path, ...] = ()
+    lora_versions: tuple[tuple[int, float], ...] = ()
     # The lease devices the worker is placed on (all of them are booked), and
     # the GPU indices it is pinned to (CUDA/HIP/ROCR_VISIBLE_DEVICES); None:
     # not pinned (no GPU in the lease). A split gives each GPU its share.
@@ -40,6 +43,13 @@ class WorkerSpec:
     # hf model's weights): what load progress is measured against. 0: the
     # size of ``path`` alone.
     model_bytes: int = 0
+    # A chat template file the worker prompts with instead of the model's own.
+    chat_template_file: Path | None = None
+    # YaRN scaling past the native context (none unless a load asked for it).
+    rope: RopeOptions = RopeOptions()
+    # What the load asked for beyond context and layers (launch_spec.load_ask):
+    # a load asking the same again reuses this worker.
+    asked: tuple[object, ...] = ()
 
 
 @dataclass(frozen=True)
