@@ -103,6 +103,13 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     rope_scaling: RopeScaling | None = None
     rope_scale: Annotated[float, msgspec.Meta(gt=1.0, le=MAX_ROPE_SCALE)] | None = None
     yarn_orig_ctx: Annotated[int, msgspec.Meta(ge=16)] | None = None
+    # Sampling for requests that leave the field out, over the model file's
+    # own defaults (supervisor/generation/sampling.py); bounds as a request's.
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    repeat_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] | None = None
 
     def __post_init__(self) -> None:
         if self.n_ctx is not None and self.n_ctx < 16:

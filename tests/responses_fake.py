@@ -7,7 +7,7 @@ was asked, so event order, storage and failures can be tested exactly.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,7 @@ class FakePool:
         template_vars: dict[str, Any] | None = None,
         request_id: str = "",
         caller: str = "",  # who asked (the real pool blames crashes on it)
+        sampling_asked: Collection[str] = (),  # what the real pool leaves to the model's defaults
     ) -> AsyncGenerator[Delta | Done, None]:
         assert messages is not None and params is not None
         self.calls.append(Call(messages, tools, params, template_vars or {}))

@@ -19,8 +19,10 @@ from supervisor.appkeys import CONFIG, LIBRARY, POOL
 from supervisor.config import Config, ModelSettings
 from supervisor.errors import BadRequest, ModelNotFound
 from supervisor.generation.profile import file_tool_format, served_profile
+from supervisor.generation.sampling import model_sampling
 from supervisor.models.library import ModelEntry
 from supervisor.models.projector import Modalities, projector_modalities
+from supervisor.models.sampling_defaults import SAMPLING_FIELDS
 from supervisor.workers.drafting import describe_speculative
 from supervisor.workers.handle import WorkerState, worker_log_path
 from supervisor.workers.pool import WorkerPool
@@ -99,6 +101,12 @@ def describe_model(entry: ModelEntry, pool: WorkerPool, for_user: bool = False) 
                    "queue_timeout_s": pool.cfg.queue_timeout_s or None},
         # Which chat template the model is prompted with, and where it came from.
         "chat_template": chat_template_view(pool, entry, for_user),
+        # What a request that leaves a sampling field out gets, and from where:
+        # "config" ([model_defaults]), "model" (its file) or "default" (ours).
+        "sampling": {field: {"value": s.value, "source": s.source}
+                     for field, s in pool.sampling_defaults(entry.id).items()},
+        # The model file's sampling keys that were not taken, with why.
+        "sampling_ignored": model_sampling(entry).ignored or None,
     }
 
 
@@ -198,6 +206,11 @@ async def load_model(request: web.Request) -> web.Response:
     if options.chat_template_file:
         path = await asyncio.to_thread(_template_file, options.chat_template_file, request.app[CONFIG])
         options = msgspec.structs.replace(options, chat_template_file=path)
+    for field in SAMPLING_FIELDS:
+        # Sampling is set per request or in the config, never by a load: refused, not ignored.
+        if getattr(options, field) is not None:
+            raise BadRequest(f"{field} is no load option: set it per request, or in "
+                             f"[model_defaults.\"{entry.id}\"] in the config", param=field)
     pool = request.app[POOL]
     await pool.load(entry.id, options=options)
     return json_response(describe_model(entry, pool))

@@ -362,7 +362,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         choices = await _admit(stack, pool, req.model, lambda: Reply.of(plan), _choice_params(plan.params, req.n),
                                messages=plan.messages, tools=plan.tools, template_vars=plan.template_vars,
                                request_id=request.get("request_id", ""), keep_alive=keep_alive,
-                               images=images.data, lora_scale=req.lora_scale, caller=caller_of(request))
+                               images=images.data, lora_scale=req.lora_scale, caller=caller_of(request),
+                               sampling_asked=req.sampling_asked())
         return await _reply(request, _Shape(True, req.model), choices, req.stream, req.include_usage)
 
 
@@ -381,7 +382,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         choices = await _admit(stack, request.app[POOL], req.model, reply, _choice_params(params, req.n),
                                prompt=prompt, request_id=request.get("request_id", ""),
                                keep_alive=req.keep_alive_s(), lora_scale=req.lora_scale,
-                               caller=caller_of(request))
+                               caller=caller_of(request), sampling_asked=req.sampling_asked())
         return await _reply(request, _Shape(False, req.model), choices, req.stream, req.include_usage,
                             echo=prompt if req.echo else None)
 

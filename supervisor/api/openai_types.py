@@ -13,6 +13,7 @@ import msgspec
 from supervisor.config import parse_duration
 from supervisor.errors import BadRequest
 from supervisor.generation.images import Images
+from supervisor.generation.sampling import asked_fields
 from supervisor.generation.tools import (
     AllowedTools,
     FunctionTool,
@@ -175,21 +176,26 @@ class Sampling(msgspec.Struct, kw_only=True):
             raise BadRequest("at most 16 stop sequences", param="stop")
         out = SamplingParams(
             max_tokens=limit,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,
             stop=stops,
             ignore_eos=self.ignore_eos,
         )
-        if self.top_k is not None:
-            out.top_k = self.top_k
-        if self.min_p is not None:
-            out.min_p = self.min_p
-        if self.repeat_penalty is not None:
-            out.repeat_penalty = self.repeat_penalty
+        # The fields left out are filled when the pool admits the request,
+        # from the model's defaults (supervisor/generation/sampling.py).
+        for name, value in self._sampling_values().items():
+            if value is not None:
+                setattr(out, name, value)
         return out
+
+    def _sampling_values(self) -> dict[str, float | int | None]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "min_p": self.min_p, "repeat_penalty": self.repeat_penalty}
+
+    def sampling_asked(self) -> frozenset[str]:
+        """The sampling fields this request sets itself."""
+        return asked_fields(**self._sampling_values())
 
     @property
     def include_usage(self) -> bool:

@@ -8,6 +8,7 @@ every endpoint working without a download.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -103,9 +104,11 @@ def write_tiny_gguf(
     chat_template: str | None = CHATML_TEMPLATE,
     name: str = DEMO_MODEL_NAME,
     specials: tuple[str, ...] = (),
+    more_keys: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> Path:
     """Write a random llama-architecture GGUF (F32) to ``path`` atomically;
-    ``specials`` are control tokens added to the vocab (a family's turn markers)."""
+    ``specials`` are control tokens added to the vocab (a family's turn markers),
+    ``more_keys`` adds header keys of its own (e.g. ``general.sampling.*``)."""
     tokens, scores, types = with_specials(demo_vocab(extra_tokens), specials)
     tmp = path.with_name(path.name + ".tmp")
     w = gguf.GGUFWriter(str(tmp), "llama")
@@ -120,6 +123,8 @@ def write_tiny_gguf(
     w.add_layer_norm_rms_eps(RMS_EPS)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     add_tokenizer(w, tokens, scores, types, chat_template)
+    if more_keys is not None:
+        more_keys(w)
     tensors = demo_tensors(np.random.default_rng(seed), n_vocab=len(tokens), n_embd=n_embd,
                            n_layer=n_layer, n_embd_kv=n_embd // n_head * n_head_kv, n_ff=n_ff)
     for tensor_name, array in tensors.items():

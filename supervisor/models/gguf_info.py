@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from supervisor.models.gguf_header import GgufError, read_header
+from supervisor.models.sampling_defaults import ModelSampling, gguf_sampling
 
 # GgufError: what read_gguf_info raises; its callers catch it from here.
 __all__ = ["GgufError", "GgufInfo", "TensorSizes", "quantization_name", "read_gguf_info",
@@ -158,6 +159,8 @@ class GgufInfo(msgspec.Struct, kw_only=True):
     chat_template: str | None = None
     supports_tools: bool = False
     supports_reasoning: bool = False
+    # The author's sampling defaults (general.sampling.*), hostile values left out.
+    sampling: ModelSampling = ModelSampling()
     # This file's tensor data by placement; other shards of a set hold the rest.
     tensors: TensorSizes = TensorSizes()
 
@@ -352,6 +355,7 @@ def _general(kv: dict[str, Any], a: str, counts: dict[str, int]) -> dict[str, An
         "chat_template": template,
         "supports_tools": tools,
         "supports_reasoning": reasoning,
+        "sampling": gguf_sampling(kv),
     }
 
 

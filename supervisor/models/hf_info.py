@@ -26,6 +26,14 @@ from typing import Any, BinaryIO
 
 import msgspec
 
+from supervisor.models.sampling_defaults import (
+    GENERATION_CONFIG,
+    MAX_GENERATION_CONFIG_BYTES,
+    ModelSampling,
+    generation_config_sampling,
+    unreadable,
+)
+
 MAX_HEADER_BYTES = 100 << 20  # a safetensors JSON header
 MAX_JSON_BYTES = 64 << 20  # config, tokenizer config, shard index
 MAX_TEMPLATE_BYTES = 1 << 20
@@ -77,6 +85,8 @@ class HfInfo(msgspec.Struct, frozen=True, kw_only=True):
     dtype_bytes: dict[str, int] = {}
     weight_files: list[str] = []  # names in the model dir
     chat_template: str | None = None
+    # The author's sampling defaults (generation_config.json), hostile values left out.
+    sampling: ModelSampling = ModelSampling()
 
 
 class _Tensor(msgspec.Struct):
@@ -270,6 +280,18 @@ def chat_template(model_dir: Path, names: list[str], root: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def sampling_defaults(model_dir: Path, names: list[str], root: Path) -> ModelSampling:
+    """generation_config.json's sampling values. A file that cannot be read
+    costs only its defaults (the reason is kept), never the model."""
+    if GENERATION_CONFIG not in names:
+        return ModelSampling()
+    try:
+        config = read_json(inside(model_dir / GENERATION_CONFIG, root), MAX_GENERATION_CONFIG_BYTES)
+    except (HfError, OSError) as exc:
+        return unreadable(exc.reason if isinstance(exc, HfError) else str(exc))
+    return generation_config_sampling(config)
+
+
 def read_hf_info(model_dir: Path, root: Path | None = None) -> HfInfo:
     """The facts of the model in ``model_dir``, its files kept inside ``root``."""
     root = root or model_dir
@@ -291,7 +313,8 @@ def read_hf_info(model_dir: Path, root: Path | None = None) -> HfInfo:
         top = max(floats, key=floats.__getitem__, default="")
         facts["dtype"] = _TENSOR_DTYPES.get(top, "")
     return HfInfo(**facts, parameter_bytes=sum(by_dtype.values()), dtype_bytes=by_dtype,
-                  weight_files=files, chat_template=chat_template(model_dir, names, root))
+                  weight_files=files, chat_template=chat_template(model_dir, names, root),
+                  sampling=sampling_defaults(model_dir, names, root))
 
 
 def checkpoint_dtype(info: HfInfo) -> str | None:

@@ -10,7 +10,7 @@ always ending with exactly one terminal event.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,6 +26,7 @@ from supervisor.generation.parse import OutputParser
 from supervisor.generation.pieces import Piece, StreamParser, ToolCall
 from supervisor.generation.profile import TemplateProfile, served_profile
 from supervisor.generation.template_vars import merged_vars
+from supervisor.generation.sampling import asked_fields
 from supervisor.generation.tools import FunctionTool, NamedFunction, Offer, PlanChoice
 from supervisor.responses.convert import collect_images, template_tools, to_messages
 from supervisor.responses.events import Event, EventBuilder
@@ -78,6 +79,7 @@ class GenerationPool(Protocol):
         images: list[bytes] | None = None,
         lora_scale: float | None = None,
         caller: str = "",
+        sampling_asked: Collection[str] = (),
     ) -> Outputs: ...
 
 
@@ -101,6 +103,9 @@ class Plan:
     lora_scale: float | None = None
     # The generic format's grammar for "auto" admits an answer: no call is forced.
     may_answer: bool = False
+    # The sampling fields the request set; the pool fills the others with the
+    # model's defaults (supervisor/generation/sampling.py).
+    sampling_asked: frozenset[str] = frozenset()
 
     @property
     def forced_call(self) -> bool:
@@ -168,6 +173,7 @@ def _forced_name(tools: list[FunctionTool], choice: PlanChoice) -> str | None:
 
 
 def _sampling(req: CreateRequest) -> SamplingParams:
+    # The fields left out are filled when the pool admits it (Plan.sampling_asked).
     params = SamplingParams(max_tokens=req.max_output_tokens, ignore_eos=req.ignore_eos)
     if req.temperature is not None:
         params.temperature = req.temperature
@@ -267,6 +273,7 @@ def plan(req: CreateRequest, history: list[Item], items: list[Item], facts: Mode
                        strict=bool(fmt.strict), param="text.format.schema", model=req.model)
     planned.images = images.data
     planned.lora_scale = req.lora_scale
+    planned.sampling_asked = asked_fields(temperature=req.temperature, top_p=req.top_p)
     return planned
 
 
@@ -286,6 +293,7 @@ async def admit(pool: GenerationPool, model: str, plan: Plan, request_id: str = 
         params=plan.params,
         template_vars=plan.template_vars,
         request_id=request_id,
+        sampling_asked=plan.sampling_asked,
         **extra,
     )
 

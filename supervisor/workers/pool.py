@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,6 +25,7 @@ import msgspec
 
 from supervisor.config import ModelSettings, parse_duration
 from supervisor.errors import ApiError, DeviceBusy, ModelFailed, ModelNotFound
+from supervisor.generation import sampling
 from supervisor.models.draft import SpeculativePlan, plan_speculative
 from supervisor.models.gpu_place import GpuPlacement
 from supervisor.models.library import ModelEntry
@@ -343,6 +344,7 @@ class WorkerPool:
         images: list[bytes] | None = None,
         lora_scale: float | None = None,
         caller: str = "",
+        sampling_asked: Collection[str] = (),
     ) -> Generation:
         """Load the model and queue one completion now, so that a refusal
         (queue full, GPU busy, model failed) raises before any output.
@@ -356,12 +358,16 @@ class WorkerPool:
         every API alike: a request with no token limit gets
         ``default_max_tokens``, a limit above the model's context is clamped
         to it (``output_ceiling``), and ``request_timeout_s`` bounds how long it runs.
+        So do the model's sampling defaults: each sampling field not in
+        ``sampling_asked`` (those the request set) is filled
+        (supervisor/generation/sampling.py).
         """
         route = await self._route(model, lora_scale)
         handle = await self.load(route.model)
         if keep_alive is not None:
             handle.keep_alive = keep_alive
-        params = params or p.SamplingParams()
+        params = sampling.fill(params or p.SamplingParams(), sampling_asked,
+                               self.sampling_defaults(route.model))
         template_vars = template_vars or {}
         if messages is not None and handle.enable_thinking is not None and "enable_thinking" not in template_vars:
             template_vars = {**template_vars, "enable_thinking": handle.enable_thinking}
@@ -373,6 +379,10 @@ class WorkerPool:
                          adapter=route.adapter, adapter_scale=route.scale)
         return Generation(self.on_done, model, handle, self._submit(handle, msg, caller),
                           time_limit=self.cfg.request_timeout_s)
+
+    def sampling_defaults(self, model_id: str) -> dict[str, sampling.Setting]:
+        """The sampling a request to the model gets for each field it leaves out."""
+        return sampling.in_effect(self.models.entry(model_id), self.cfg.model_settings(model_id))
 
     async def _call(self, model: str, embedding: bool, msg: p.Embed | p.Tokenize,
                     caller: str = "") -> p.FromWorker:
