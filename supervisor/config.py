@@ -18,6 +18,7 @@ import msgspec
 
 from formats.chat_templates import TemplateFileError, read_template_file
 from jobs.errors import validation_param
+from supervisor.workers.connection import Endpoint
 
 ENV_PREFIX = "GPUVISOR_"
 # Variables of that prefix that are no setting: the token the CLI sends
@@ -195,6 +196,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     n_gpu_layers: int = -1
     n_threads: int = 0
     handshake_timeout: float = 600.0
+    # Where the parent listens for its workers to dial back: "" (a Unix
+    # socket in the run dir) or "tcp:HOST" (a free port on HOST per worker
+    # start, for workers on other machines: docs/cluster.md).
+    worker_listen: str = ""
     ping_interval: float = 2.0
     ping_timeout: float = 10.0
     kill_grace: float = 5.0
@@ -318,6 +323,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.max_loaded_models < 1:
             raise ValueError("max_loaded_models must be at least 1")
         parse_duration(self.keep_alive)
+        Endpoint.parse(self.worker_listen)
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError("log_level must be debug, info, warning or error")
         for model_id, own in self.model_defaults.items():

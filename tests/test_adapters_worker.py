@@ -39,7 +39,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 PROMPT = "user What colour"
 
 
-def _spawn(model: Path, adapters: list[Path]) -> AbstractAsyncContextManager[tuple[Worker, p.Hello]]:
+def _spawn(model: Path, adapters: list[Path]) -> AbstractAsyncContextManager[tuple[Worker, p.Ready]]:
     return spawn_worker(model, "--parallel", "2", *(a for path in adapters for a in ("--lora", str(path))),
                         n_ctx=256)
 

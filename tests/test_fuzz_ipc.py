@@ -57,7 +57,9 @@ to_worker = st.one_of(
     st.just(p.Shutdown()),
 )
 from_worker = st.one_of(
-    st.builds(p.Hello, protocol_version=small, pid=small,
+    st.builds(p.Hello, protocol_version=small, pid=small, nonce=st.binary(min_size=32, max_size=32),
+              proof=st.binary(max_size=64)),
+    st.builds(p.Ready,
               facts=st.builds(p.ModelFacts, path=text, n_ctx=small, n_ctx_train=small, n_vocab=small,
                               has_chat_template=st.booleans(), embedding=st.booleans(),
                               chat_template=st.none() | text)),

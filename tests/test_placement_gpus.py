@@ -34,7 +34,7 @@ from supervisor.models.placement import GPU_RUNTIME_RESERVE, plan_load
 from supervisor.models.settle import Settler
 from supervisor.workers.handle import WorkerHandle, WorkerState
 from supervisor.workers.pool import WorkerPool
-from supervisor.workers.process import WorkerProcess, worker_environ
+from supervisor.workers.launcher import worker_argv, worker_environ
 from tests import gguf_headers as hdr
 
 GIB = 1024 * MIB
@@ -163,7 +163,7 @@ async def test_headroom_sends_a_tight_fit_to_a_split(box: Callable[..., Box]) ->
     assert placed["usable_bytes"] == int(first * MIB * 0.9) + int(6000 * MIB * 0.9) - GPU_RUNTIME_RESERVE
     spec = b.pool.handles[("big", False)].spec
     assert spec.gpu_indices == (1, 0) and worker_environ(spec)["CUDA_VISIBLE_DEVICES"] == "1,0"
-    args = WorkerProcess(spec, b.pool.timing, Path("/tmp"), Path("/tmp"), lambda: 0.0, 1)._args(Path("/tmp/s.sock"))
+    args = worker_argv(spec, b.pool.timing, ["--socket", "/tmp/s.sock"], Path("/tmp/s.e.sock"))
     assert args[args.index("--tensor-split") + 1] == ",".join(f"{x:.4f}" for x in placed["tensor_split"])
     await b.pool.stop_all()
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import sys
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from tests.server import REPO, short_tempdir
+from tests.worker_harness import start_worker
 from worker import protocol as p
 
 ALL_TO_WORKER = [
@@ -26,7 +25,8 @@ ALL_TO_WORKER = [
 ]
 STATS = p.WorkerStats(True, 1, 2, 3, 4)
 ALL_FROM_WORKER = [
-    p.Hello(p.PROTOCOL_VERSION, 123, p.ModelFacts("/m.gguf", 512, 2048, 300, True, False, "{{x}}")),
+    p.Hello(p.PROTOCOL_VERSION, 123, b"n" * p.NONCE_BYTES, b"proof"),
+    p.Ready(p.ModelFacts("/m.gguf", 512, 2048, 300, True, False, "{{x}}")),
     p.LoadFailed(p.PROTOCOL_VERSION, "bad file"),
     p.Started(1, 12),
     p.Delta(1, "héllo", 2),
@@ -91,68 +91,28 @@ def test_garbage_and_invalid_messages_raise_invalid_message() -> None:
 
 async def test_real_worker_answers_bad_frames_with_errors(tiny_model_path: Path) -> None:
     """Garbage and invalid frames get Error(-1) replies; the connection stays usable."""
-    sock = short_tempdir() / "w.sock"
-    conn: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
-        asyncio.get_running_loop().create_future())
-    server = await asyncio.start_unix_server(lambda r, w: conn.set_result((r, w)), path=str(sock))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "worker", "--socket", str(sock), "--model", str(tiny_model_path),
-        "--n-ctx", "256", "--threads", "1", stdin=asyncio.subprocess.PIPE, cwd=REPO)
-    try:
-        reader, writer = await asyncio.wait_for(conn, 60)
-        codec = p.parent_codec()
-
-        async def next_msg() -> p.FromWorker:
-            while True:
-                body = await asyncio.wait_for(p.read_frame(reader), 30)
-                assert body is not None
-                msg = codec.decode(body)
-                if not isinstance(msg, p.Heartbeat):
-                    return msg
-
-        hello = await next_msg()
-        assert isinstance(hello, p.Hello) and hello.protocol_version == p.PROTOCOL_VERSION
-        assert hello.facts.n_ctx == 256 and hello.facts.has_chat_template
+    async with start_worker(tiny_model_path, n_ctx=256) as (w, ready):
+        assert isinstance(ready, p.Ready)
+        assert ready.facts.n_ctx == 256 and ready.facts.has_chat_template
         garbage = b"\xc1\xc1\xc1"
-        writer.write(struct.pack(">I", len(garbage)) + garbage)
+        w.writer.write(struct.pack(">I", len(garbage)) + garbage)
         invalid = msgspec.msgpack.encode({"type": "Generate", "id": "x"})
-        writer.write(struct.pack(">I", len(invalid)) + invalid)
-        writer.write(codec.encode(p.Ping(7)))
-        replies = [await next_msg() for _ in range(3)]
+        w.writer.write(struct.pack(">I", len(invalid)) + invalid)
+        w.writer.write(w.codec.encode(p.Ping(7)))
+        replies = [await w.next_msg() for _ in range(3)]
         assert [type(r).__name__ for r in replies] == ["Error", "Error", "Pong"]
         assert all(r.id == -1 for r in replies[:2])  # type: ignore[union-attr]
         assert replies[2].seq == 7  # type: ignore[union-attr]
-        writer.write(codec.encode(p.Shutdown()))
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
-    finally:
-        server.close()
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        w.writer.write(w.codec.encode(p.Shutdown()))
+        assert await asyncio.wait_for(w.proc.wait(), 30) == 0
 
 
 async def test_worker_exits_3_on_a_bad_model_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"this is not a gguf file at all" * 10)
-    sock = short_tempdir() / "w.sock"
-    conn: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
-        asyncio.get_running_loop().create_future())
-    server = await asyncio.start_unix_server(lambda r, w: conn.set_result((r, w)), path=str(sock))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "worker", "--socket", str(sock), "--model", str(bad),
-        stdin=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, cwd=REPO)
-    try:
-        reader, _ = await asyncio.wait_for(conn, 60)
-        body = await asyncio.wait_for(p.read_frame(reader), 30)
-        assert body is not None
-        msg = p.parent_codec().decode(body)
-        assert isinstance(msg, p.LoadFailed) and "bad.gguf" in msg.reason
-        assert await asyncio.wait_for(proc.wait(), 30) == 3
-    finally:
-        server.close()
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+    async with start_worker(bad) as (w, first):
+        assert isinstance(first, p.LoadFailed) and "bad.gguf" in first.reason
+        assert await asyncio.wait_for(w.proc.wait(), 30) == 3
 
 
 class _Sink:

@@ -21,7 +21,7 @@ def vision_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return write_tiny_vision_pair(tmp_path_factory.mktemp("vision"))
 
 
-def _spawn(model: Path, mmproj: Path | None) -> AbstractAsyncContextManager[tuple[Worker, p.Hello]]:
+def _spawn(model: Path, mmproj: Path | None) -> AbstractAsyncContextManager[tuple[Worker, p.Ready]]:
     return spawn_worker(model, *(["--mmproj", str(mmproj)] if mmproj is not None else []))
 
 
@@ -152,10 +152,10 @@ def test_vision_fields_round_trip_and_default_for_old_peers() -> None:
     body = p.parent_codec().encode(gen)[4:]
     assert p.worker_codec().decode(body) == gen
     facts = p.ModelFacts("/m.gguf", 512, 2048, 300, True, False, vision=True, vision_error="")
-    hello = p.Hello(p.PROTOCOL_VERSION, 1, facts)
-    assert p.parent_codec().decode(p.worker_codec().encode(hello)[4:]) == hello
-    # A Hello from a worker that predates vision decodes with vision off.
-    old = msgspec.msgpack.encode({"type": "Hello", "protocol_version": p.PROTOCOL_VERSION, "pid": 1, "facts": {
+    ready = p.Ready(facts)
+    assert p.parent_codec().decode(p.worker_codec().encode(ready)[4:]) == ready
+    # Facts from a worker that predates vision decode with vision off.
+    old = msgspec.msgpack.encode({"type": "Ready", "facts": {
         "path": "/m.gguf", "n_ctx": 1, "n_ctx_train": 1, "n_vocab": 1, "has_chat_template": False,
         "embedding": False}})
     decoded = p.parent_codec().decode(old)

@@ -1,15 +1,18 @@
 """A real model-worker process for tests: started with ``python -m worker``,
-connected over a Unix socket as the parent would, and spoken to with the IPC
-protocol (worker/protocol.py)."""
+given its secret and let in over a Unix socket by the parent's own listener
+(supervisor/workers/connection.py), and spoken to with the IPC protocol
+(worker/protocol.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from supervisor.workers.connection import Endpoint, Listener
 from tests.server import REPO, short_tempdir
 from worker import protocol as p
 
@@ -52,33 +55,35 @@ class Worker:
 @asynccontextmanager
 async def start_worker(model: Path, *args: str, n_ctx: int = 512) -> AsyncIterator[tuple[Worker, p.FromWorker]]:
     """A worker process on ``model`` (1 thread, CPU only) with further
-    ``args``, connected, and its first message (Hello or LoadFailed);
+    ``args``, connected, and its first message once proven (Ready or LoadFailed);
     killed when the block ends if it is still running."""
-    sock = short_tempdir() / "w.sock"
-    conn: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
-        asyncio.get_running_loop().create_future())
-    server = await asyncio.start_unix_server(lambda r, w: conn.set_result((r, w)), path=str(sock))
+    secret = secrets.token_bytes(p.SECRET_BYTES)
+    listener = Listener(Endpoint(), secret, str(model))
+    await listener.open(short_tempdir() / "w.sock")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "worker", "--socket", str(sock), "--model", str(model),
+        sys.executable, "-m", "worker", *listener.address, "--model", str(model),
         "--n-ctx", str(n_ctx), "--threads", "1", "--n-gpu-layers", "0", *args,
         stdin=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, cwd=REPO)
+    assert proc.stdin is not None
+    proc.stdin.write(p.secret_line(secret))
     try:
-        reader, writer = await asyncio.wait_for(conn, 60)
-        worker = Worker(proc, reader, writer)
+        conn = await asyncio.wait_for(listener.proven, 60)
+        listener.close()
+        worker = Worker(proc, conn.reader, conn.writer)
         yield worker, await worker.next_msg()
     finally:
-        server.close()
+        listener.close()
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
 
 
 @asynccontextmanager
-async def spawn_worker(model: Path, *args: str, n_ctx: int = 512) -> AsyncIterator[tuple[Worker, p.Hello]]:
+async def spawn_worker(model: Path, *args: str, n_ctx: int = 512) -> AsyncIterator[tuple[Worker, p.Ready]]:
     """A worker on ``model`` (1 thread, CPU only) with further ``args``, and
-    its Hello; asked to stop (exit 0) when the block ends."""
+    its Ready; asked to stop (exit 0) when the block ends."""
     async with start_worker(model, *args, n_ctx=n_ctx) as (worker, hello):
-        assert isinstance(hello, p.Hello), hello
+        assert isinstance(hello, p.Ready), hello
         yield worker, hello
         worker.writer.write(worker.codec.encode(p.Shutdown()))
         assert await asyncio.wait_for(worker.proc.wait(), 30) == 0

@@ -4,7 +4,9 @@
 is imported only once the worker has connected, so this entry point imports
 no engine of its own. Exit codes are part of the contract: 0 = asked to stop
 (or parent gone), 3 = the model cannot be loaded, also by an unknown or
-uninstalled engine (do not restart), anything else = crash.
+uninstalled engine (do not restart), anything else = crash. The first line
+of stdin is the secret of this spawn (worker/protocol.py: the handshake);
+the rest of stdin is only watched for its end.
 """
 
 from __future__ import annotations
@@ -15,17 +17,21 @@ import faulthandler
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from worker import speculative
 from worker.engine_api import DEFAULT_ENGINE, ENGINES, EngineOptions
+from worker.dial import Dial
 from worker.protocol import RopeOptions
 from worker.server import run
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m worker")
-    ap.add_argument("--socket", required=True, help="parent's Unix socket to connect to")
+    dial = ap.add_mutually_exclusive_group(required=True)
+    dial.add_argument("--socket", help="parent's Unix socket to connect to")
+    dial.add_argument("--tcp", type=_host_port, help="parent's TCP listener to connect to, HOST:PORT")
     ap.add_argument("--model", required=True)
     # Not argparse choices: an unknown engine is a load failure (exit 3,
     # reported to the parent), not a usage error the parent would restart.
@@ -40,7 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--parallel", type=int, default=1, help="generations at once (engine slots)")
     ap.add_argument("--engine-socket", default="",
                     help="Unix socket (ending in .sock) for the engine's own HTTP listener; "
-                         "default: beside --socket")
+                         "default: beside --socket, or in the temp dir with --tcp")
     ap.add_argument("--mmproj", default="", help="the model's image projector (mmproj GGUF)")
     ap.add_argument("--lora", action="append", default=[],
                     help="a GGUF LoRA adapter to hold for requests that name it (repeatable)")
@@ -53,6 +59,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--yarn-orig-ctx", type=int, default=0, help="YaRN: the context it scales from")
     ap.add_argument("--heartbeat", type=float, default=1.0)
     return ap.parse_args(argv)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"not HOST:PORT: {text!r}")
+    return host.strip("[]"), int(port)
 
 
 def _shares(text: str) -> tuple[float, ...]:
@@ -70,7 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     # stderr is the worker's log file; one line per request, with its id.
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine_socket = args.engine_socket or str(Path(args.socket).with_suffix(".e.sock"))
+    if args.socket:
+        dial = Dial(unix=args.socket)
+        engine_socket = args.engine_socket or str(Path(args.socket).with_suffix(".e.sock"))
+    else:
+        dial = Dial(tcp=args.tcp)
+        engine_socket = args.engine_socket or str(Path(tempfile.gettempdir()) / f"gpuvisor-w{os.getpid()}.e.sock")
     faulthandler.enable()  # a native crash leaves its Python stack in the log
     opts = EngineOptions(args.model, args.n_ctx, args.n_gpu_layers, args.threads, args.embedding,
                          args.cache_type, speculative.from_args(args), args.parallel, engine_socket,
@@ -79,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     opts.tensor_split = args.tensor_split
     opts.chat_template_file = args.chat_template_file
     opts.rope = RopeOptions(args.rope_freq_scale, args.yarn_orig_ctx)
-    return asyncio.run(run(opts, args.socket, args.heartbeat, args.engine))
+    return asyncio.run(run(opts, dial, args.heartbeat, args.engine))
 
 
 if __name__ == "__main__":

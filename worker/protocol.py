@@ -1,8 +1,16 @@
 """The IPC protocol between the parent and a model worker.
 
-Transport: the parent listens on a Unix socket in its state dir (one socket per
-worker spawn, path passed on the worker's command line); the worker connects
-back, sends ``Hello`` (or ``LoadFailed``) and then serves requests.
+Transport: the parent listens (a Unix socket in its state dir, or TCP; one
+listener per worker spawn, its address on the worker's command line); the
+worker connects back and both ends prove that they hold the spawn's secret
+(32 random bytes, given to the worker as the first line of its stdin, never
+on its command line). The parent's first frame is a ``Challenge`` (a fresh
+nonce); the worker's first frame is ``Hello``, an HMAC over both nonces; the
+parent answers ``Welcome`` with its own HMAC. Neither end reads any other
+frame before the other's proof holds, and nothing before that may exceed
+``MAX_HELLO_FRAME``. Then the worker loads its model, sends ``Ready`` (or
+``LoadFailed``) and serves requests. The frames after the handshake are not
+signed or encrypted: over TCP, run on a private network (or TLS, not built).
 
 Framing: a 4-byte big-endian length, then one msgpack message. Frames above
 ``MAX_FRAME`` are refused on read. A clean EOF between frames is ``None`` from
@@ -20,14 +28,22 @@ decoding) are defined here too, with the arguments that carry them.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+# 3: the authenticated handshake (Challenge, Hello, Welcome), then Ready.
+PROTOCOL_VERSION = 3
 MAX_FRAME = 16 * 1024 * 1024
+# Before a peer proved itself, a frame larger than this is refused: an
+# unauthenticated connection costs the other end almost nothing.
+MAX_HELLO_FRAME = 1024
+SECRET_BYTES = 32
+NONCE_BYTES = 32
 
 # The worker's exit codes are part of the contract: 0 = it was asked to stop;
 # EXIT_LOAD_FAILED = the model cannot be loaded (bad file, does not fit), so
@@ -213,6 +229,20 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
+class Challenge(msgspec.Struct, tag=True):
+    """The parent's first frame on every connection it accepts."""
+
+    protocol_version: int
+    nonce: Nonce
+
+
+class Welcome(msgspec.Struct, tag=True):
+    """The parent's answer to a ``Hello`` whose proof held: its own proof
+    (role "parent"), so the worker knows it dialled its parent."""
+
+    proof: Proof
+
+
 ToWorker = Generate | Tokenize | Embed | Cancel | Ping | Shutdown
 
 
@@ -254,9 +284,23 @@ class ModelFacts(msgspec.Struct):
     template_name: str = ""
 
 
+Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+Proof = Annotated[bytes, msgspec.Meta(max_length=64)]
+
+
 class Hello(msgspec.Struct, tag=True):
+    """The worker's first frame: its proof of the secret over the parent's
+    ``Challenge.nonce`` and its own ``nonce`` (:func:`proof`, role "worker")."""
+
     protocol_version: int
     pid: int
+    nonce: Nonce
+    proof: Proof
+
+
+class Ready(msgspec.Struct, tag=True):
+    """The model is loaded: the worker serves requests from now on."""
+
     facts: ModelFacts
 
 
@@ -354,7 +398,39 @@ class Heartbeat(msgspec.Struct, tag=True):
     stats: WorkerStats
 
 
-FromWorker = Hello | LoadFailed | Started | Delta | Done | Error | Tokens | Embeddings | Pong | Heartbeat
+FromWorker = Hello | Ready | LoadFailed | Started | Delta | Done | Error | Tokens | Embeddings | Pong | Heartbeat
+
+
+# ------------------------------------------------------------ the handshake
+
+Role = Literal["worker", "parent"]
+
+
+def proof(secret: bytes, role: Role, parent_nonce: bytes, worker_nonce: bytes) -> bytes:
+    """What ``role`` sends to prove it holds ``secret`` on this connection.
+
+    Both nonces are covered, so a proof recorded on one connection proves
+    nothing on another; the role is, so one end's proof is never the other's.
+    """
+    return hmac.new(secret, b"gpuvisor-" + role.encode() + b"\0" + parent_nonce + worker_nonce,
+                    hashlib.sha256).digest()
+
+
+def proof_holds(secret: bytes, role: Role, parent_nonce: bytes, worker_nonce: bytes, given: bytes) -> bool:
+    return hmac.compare_digest(proof(secret, role, parent_nonce, worker_nonce), given)
+
+
+def secret_line(secret: bytes) -> bytes:
+    """How the parent writes a worker's secret to its stdin."""
+    return secret.hex().encode() + b"\n"
+
+
+def parse_secret_line(line: bytes) -> bytes:
+    """The secret a worker read from its stdin (ValueError when it is not one)."""
+    secret = bytes.fromhex(line.strip().decode("ascii"))
+    if len(secret) != SECRET_BYTES:
+        raise ValueError(f"the secret has {len(secret)} bytes, not {SECRET_BYTES}")
+    return secret
 
 
 # -------------------------------------------------------------------- framing
@@ -385,6 +461,16 @@ class Codec:
 
 def parent_codec() -> Codec:
     return Codec(FromWorker)
+
+
+def hello_codec() -> Codec:
+    """What the parent reads first: only a Hello (any other frame is refused)."""
+    return Codec(Hello)
+
+
+def handshake_codec() -> Codec:
+    """What the worker reads first: the parent's Challenge, then its Welcome."""
+    return Codec(Challenge | Welcome)
 
 
 def worker_codec() -> Codec:

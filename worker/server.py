@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 
 from worker import protocol as p
+from worker.dial import Dial, HandshakeRefused, handshake, read_secret
 from worker.engine_api import EngineApi, EngineOptions, LoadError, loader
 
 log = logging.getLogger("gpuvisor.worker")
@@ -233,9 +234,21 @@ def load_engine(name: str, opts: EngineOptions) -> EngineApi:
     return loader(name)(opts)
 
 
-async def run(opts: EngineOptions, socket_path: str, heartbeat_s: float, engine_name: str) -> int:
+async def run(opts: EngineOptions, dial: Dial, heartbeat_s: float, engine_name: str) -> int:
+    try:
+        secret = read_secret()
+    except HandshakeRefused as exc:
+        log.error("%s", exc)
+        return 1
     watch_stdin()
-    reader, writer = await asyncio.open_unix_connection(socket_path)
+    reader, writer = await dial.open()
+    try:
+        await handshake(reader, writer, secret)
+    except (HandshakeRefused, TimeoutError, ConnectionError) as exc:
+        # Not our parent (or it went away): serve nothing on this connection.
+        log.error("handshake with the parent failed: %s", exc or type(exc).__name__)
+        writer.close()
+        return 1
     codec = p.worker_codec()
     try:
         # Importing an engine and loading take seconds to minutes: off the
@@ -246,7 +259,7 @@ async def run(opts: EngineOptions, socket_path: str, heartbeat_s: float, engine_
         await writer.drain()
         writer.close()
         return p.EXIT_LOAD_FAILED
-    writer.write(codec.encode(p.Hello(p.PROTOCOL_VERSION, os.getpid(), engine.facts)))
+    writer.write(codec.encode(p.Ready(engine.facts)))
     await writer.drain()
     try:
         code = await WorkerServer(engine, reader, writer, heartbeat_s).serve()
@@ -254,4 +267,3 @@ async def run(opts: EngineOptions, socket_path: str, heartbeat_s: float, engine_
         await asyncio.to_thread(engine.close)
     writer.close()
     return code
-

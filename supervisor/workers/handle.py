@@ -1,7 +1,9 @@
 """One model worker as the parent sees it: the policy around its process.
 
-A ``WorkerHandle`` supervises a worker: it spawns its process
-(supervisor/workers/process.py), watches it (ping/pong), and restarts it with
+A ``WorkerHandle`` supervises a worker: it spawns its process through a
+launcher (supervisor/workers/process.py, launcher.py; local unless told
+otherwise), gets back a proven connection (connection.py), watches it
+(ping/pong), and restarts it with
 backoff, counting crashes by cause. Its requests wait and run in a
 ``RequestQueue`` (supervisor/workers/queue.py): up to ``spec.parallel`` in
 flight at once (the worker's engine slots), the rest queued. Requests queued
@@ -19,7 +21,9 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from supervisor.workers.connection import Connection, Endpoint
 from supervisor.workers.crash import exit_is_news, exit_reason, load_failure_reason, worker_log_path
+from supervisor.workers.launcher import Launcher, LocalLauncher
 from supervisor.workers.process import HandshakeFailed, LoadFailed, WorkerProcess
 from supervisor.workers.queue import Pending, RequestQueue
 from supervisor.workers.spec import Timing, WorkerSpec
@@ -69,7 +73,8 @@ _DISPATCHING = (WorkerState.READY, WorkerState.DRAINING)
 class WorkerHandle:
     def __init__(self, spec: WorkerSpec, timing: Timing, run_dir: Path, log_dir: Path,
                  queue_limit: int, clock: Callable[[], float] | None = None, *,
-                 queue_timeout: float = 0.0) -> None:
+                 queue_timeout: float = 0.0,
+                 launcher: Launcher | None = None, endpoint: Endpoint | None = None) -> None:
         self.spec = spec
         self.timing = timing
         self.run_dir = run_dir
@@ -97,7 +102,8 @@ class WorkerHandle:
         self.on_failed: Callable[[], None] = lambda: None
         self.ready = asyncio.Event()
         self.changed = asyncio.Event()
-        self.process = WorkerProcess(spec, timing, run_dir, log_dir, self.clock, id(self))
+        self.process = WorkerProcess(spec, timing, run_dir, launcher or LocalLauncher(run_dir, log_dir),
+                                     endpoint or Endpoint(), self.clock, id(self))
         self.requests = RequestQueue(spec.model_id, spec.parallel, queue_limit, self.process,
                                      self.clock, self.changed, lambda: self.state in _DISPATCHING,
                                      wait_limit=queue_timeout)
@@ -277,7 +283,7 @@ class WorkerHandle:
                  self._label(), self.spec.n_ctx, self.spec.parallel, "" if self.spec.parallel == 1 else "s",
                  ", ".join(self.spec.devices) or self.spec.device)
         try:
-            reader = await self.process.spawn(self.restarts)
+            conn = await self.process.spawn(self.restarts)
         except LoadFailed as exc:
             self.reason = str(exc)
             await self._reap()
@@ -293,7 +299,7 @@ class WorkerHandle:
         self.requests.kick()
         watchdog = asyncio.create_task(self._watch_liveness(), name="liveness")
         try:
-            await self._read_loop(reader)
+            await self._read_loop(conn)
         finally:
             watchdog.cancel()
             await asyncio.gather(watchdog, return_exceptions=True)
@@ -303,23 +309,21 @@ class WorkerHandle:
         """Close the connection and wait for the process; stop it if asked to."""
         return await self.process.reap(shutdown=self._stop_requested.is_set())
 
-    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+    async def _read_loop(self, conn: Connection) -> None:
         while True:
             try:
-                body = await p.read_frame(reader)
+                msg = await conn.read()
+            except p.InvalidMessage as exc:
+                log.error("worker %s sent an invalid message: %s", self.spec.model_id, exc)
+                continue
             except (p.ProtocolError, ConnectionError) as exc:
                 # A hang already being killed breaks the stream too: keep the first cause.
                 self.reason = self.reason or f"IPC stream broken: {exc}"
                 self.cause = self.cause or Cause.IPC_BROKEN
                 self.process.kill(signal.SIGKILL)
                 return
-            if body is None:
+            if msg is None:
                 return
-            try:
-                msg = self.process.codec.decode(body)
-            except p.InvalidMessage as exc:
-                log.error("worker %s sent an invalid message: %s", self.spec.model_id, exc)
-                continue
             self.last_seen = self.clock()
             if isinstance(msg, p.Heartbeat | p.Pong):
                 self.stats = msg.stats

@@ -33,6 +33,7 @@ from supervisor.models.memfit import ContextDecision
 from supervisor.models.slots import SlotAsk, slot_ask
 from supervisor.models.source import LibrarySource
 from supervisor.workers import adapter_route, launch_spec, submit, views
+from supervisor.workers.connection import Endpoint
 from supervisor.workers.drafting import SpeculativeBook
 from supervisor.workers.gpu_room import (
     Bookings,
@@ -71,6 +72,7 @@ class PoolConfig(Protocol):
     load_wait_timeout: float
     model_defaults: dict[str, ModelSettings]
     vllm_python: str  # the Python of the vLLM environment ("" = none)
+    worker_listen: str  # where workers dial back (supervisor/workers/connection.py)
     # The runaway guard: output tokens of a request that sets no limit (0 =
     # none), and seconds a request may run once its worker took it (0 = no limit).
     default_max_tokens: int
@@ -211,7 +213,8 @@ class WorkerPool:
                                       device=self.device, pinned=self.room.gpus is not None,
                                       vllm_python=self.cfg.vllm_python)
         handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit, self._clock,
-                              queue_timeout=self.cfg.queue_timeout_s)
+                              queue_timeout=self.cfg.queue_timeout_s,
+                              endpoint=Endpoint.parse(self.cfg.worker_listen))
         handle.keep_alive = parse_duration(settings.keep_alive or 0)
         handle.enable_thinking = settings.enable_thinking
         handle.crash_counts = lambda in_flight: crash_counts(self.poison, self.crash_keys, model_id, in_flight)
