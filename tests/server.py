@@ -114,7 +114,9 @@ class Server:
             time.sleep(0.05)
         raise TimeoutError(f"server did not start:\n{self.log_text()}")
 
-    def wait_ready(self, timeout: float = 60) -> None:
+    def wait_ready(self, timeout: float = 180) -> None:
+        # A coarse bound against a hang: a preloaded vLLM worker alone took
+        # over 60 s to be ready on a busy two-core machine.
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
