@@ -195,8 +195,8 @@ def test_quantize_page_small_sizes_and_the_cpu(page: tuple[Any, Any, str], srv: 
     summary.wait_for()
     assert re.search(r"Size\s+\d+(\.\d)? KiB", summary.inner_text()), summary.inner_text()
     params = facts(pg, "Parameters")
-    assert params.get("Device", "").startswith("cpu"), params
-    assert "GPUs" not in params, params
+    # Quantize runs on the CPU's kernels and books no device: none is shown.
+    assert "GPUs" not in params and "Device" not in params, params
     shoot(pg, screens, f"job-quantize-{size}")
     fits_the_width(pg)
     watch.check()
