@@ -7,7 +7,10 @@ for vocabs LLGuidance refuses) and with the schema through LLGuidance: the
 first-token latency (from sending the request to its first text, grammar
 setup included) and the time per further token. LLGuidance is
 measured twice: a schema the worker has not seen (its compile check runs
-first, worker/guidance.py) and one it has.
+first, worker/guidance.py) and one it has. Then the same for a forced tool
+call (Hermes syntax around the arguments' schema): the parent's GBNF
+(supervisor/generation/grammar.py) against its LLGuidance grammar
+(supervisor/generation/lark_calls.py).
 
 The tiny model's forward pass takes a fraction of a millisecond, so what is
 left is the grammar's own cost; on a real model the same milliseconds sit
@@ -35,6 +38,8 @@ sys.path.insert(0, str(REPO))
 from tests.tiny_bpe import write_tiny_bpe  # noqa: E402
 from tests.worker_harness import Worker, spawn_worker  # noqa: E402
 from worker import protocol as p  # noqa: E402
+from supervisor.generation.grammar import tool_call_grammar  # noqa: E402
+from supervisor.generation.lark_calls import lark_tool_grammar  # noqa: E402
 from worker.grammar_guard import schema_to_grammar  # noqa: E402
 
 DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
@@ -105,6 +110,24 @@ async def main(runs: int, tokens: int) -> int:
                 for name, make in rows.items():
                     first, whole, n = await case(worker, runs, make)
                     print(f"{label:36s} {name:24s} {first * 1e3:9.2f} ms {first / none[0]:7.2f}x "
+                          f"{whole * 1e3:7.2f} ms {n:6.0f}")
+            for label, schema in SCHEMAS.items():
+                if schema.get("type") != "object":
+                    continue
+                calls = {
+                    "GBNF (our converter)": lambda i: p.SamplingParams(
+                        max_tokens=tokens, temperature=1.0, seed=1,
+                        grammar=tool_call_grammar([("f", schema)], style="hermes", parallel=False)),
+                    "LLGuidance, new schema": lambda i: p.SamplingParams(
+                        max_tokens=tokens, temperature=1.0, seed=1, grammar=lark_tool_grammar(
+                            [("f", {**schema, "description": f"run {i}"}, False)], style="hermes", parallel=False)),
+                    "LLGuidance, same schema": lambda i: p.SamplingParams(
+                        max_tokens=tokens, temperature=1.0, seed=1,
+                        grammar=lark_tool_grammar([("f", schema, False)], style="hermes", parallel=False)),
+                }
+                for name, make in calls.items():
+                    first, whole, n = await case(worker, runs, make)
+                    print(f"{'call: ' + label:36s} {name:24s} {first * 1e3:9.2f} ms {first / none[0]:7.2f}x "
                           f"{whole * 1e3:7.2f} ms {n:6.0f}")
     return 0
 

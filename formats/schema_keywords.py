@@ -15,8 +15,37 @@ nothing (a validator ignores them too).
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterator
 from typing import Any, NamedTuple
+
+
+# Counts a grammar writes out one copy per unit (LLGuidance does for item
+# counts: one maxItems of 10**7 took 84 s of the engine's loop to refuse).
+MAX_SCHEMA_COUNT = 10_000
+_COUNT_KEYS = frozenset({"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"})
+_PATTERN_COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+class CountTooLarge(ValueError):
+    """A count or a pattern's repetition in a schema is over :data:`MAX_SCHEMA_COUNT`."""
+
+
+def check_counts(node: Any, path: str = "schema") -> None:
+    """Raise :class:`CountTooLarge` naming the first count of ``node`` over the bound."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            where = f"{path}.{key}"
+            if key in _COUNT_KEYS and isinstance(value, int) and value > MAX_SCHEMA_COUNT:
+                raise CountTooLarge(f"{where} = {value} is over the limit of {MAX_SCHEMA_COUNT}")
+            if key == "pattern" and isinstance(value, str):
+                for low, high in _PATTERN_COUNT.findall(value):
+                    if max(int(low), int(high or 0)) > MAX_SCHEMA_COUNT:
+                        raise CountTooLarge(f"{where} repeats more than {MAX_SCHEMA_COUNT} times")
+            check_counts(value, where)
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            check_counts(item, f"{path}[{i}]")
 
 
 class Backend(enum.Enum):

@@ -65,8 +65,10 @@ def bpe_vocab() -> tuple[list[str], list[str], list[int]]:
 
 
 def write_tiny_bpe(path: Path, *, seed: int = 0, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,
-                   n_head_kv: int = 2, n_ff: int = 128, n_ctx: int = 2048) -> Path:
-    """Write a random llama-architecture GGUF (F32) with a GPT-2 BPE vocab to ``path`` atomically."""
+                   n_head_kv: int = 2, n_ff: int = 128, n_ctx: int = 2048,
+                   chat_template: str = CHATML_TEMPLATE) -> Path:
+    """Write a random llama-architecture GGUF (F32) with a GPT-2 BPE vocab to ``path`` atomically,
+    with ``chat_template`` (a family's, to test its call format on this vocab)."""
     tokens, merges, types = bpe_vocab()
     bos = tokens.index("<|endoftext|>")
     tmp = path.with_name(path.name + ".tmp")
@@ -90,7 +92,7 @@ def write_tiny_bpe(path: Path, *, seed: int = 0, n_embd: int = 64, n_layer: int 
     # ChatML's end of turn ends a generation, as in Qwen's vocabs.
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_add_bos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    w.add_chat_template(chat_template)
     tensors = _tensors(np.random.default_rng(seed), n_vocab=len(tokens), n_embd=n_embd, n_layer=n_layer,
                        n_embd_kv=n_embd // n_head * n_head_kv, n_ff=n_ff)
     for name, array in tensors.items():

@@ -10,8 +10,9 @@ We render chat prompts ourselves (worker/chat_template.py) and use the
 engine's completions path with a grammar: with small or unusual vocabs the
 engine's chat path did not force tool calls. JSON output formats go through
 the engine's LLGuidance where the model's vocab allows it (probed at load,
-worker/guidance.py), else through a GBNF grammar built by us; forced tool
-calls and client grammars are GBNF. Its HTTP listener is bound to a private
+worker/guidance.py), else through a GBNF grammar built by us; a forced tool
+call's grammar comes from the parent, LLGuidance's (``%llguidance``, checked
+like a schema's) or GBNF. Its HTTP listener is bound to a private
 Unix socket and serves only tokenization and model facts to this process.
 """
 

@@ -16,15 +16,12 @@ import re
 from typing import Any
 
 from formats.schema_gbnf import schema_gbnf
+from formats.schema_keywords import CountTooLarge, check_counts
 
 # Half the nesting measured to crash, for headroom on other stacks.
 MAX_GRAMMAR_DEPTH = 512
 # The engine parses and holds the whole grammar per request.
 MAX_GRAMMAR_BYTES = 4 << 20
-# Counts the converter writes out one copy per unit.
-MAX_SCHEMA_COUNT = 10_000
-_COUNT_KEYS = frozenset({"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"})
-_PATTERN_COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 # Quoted literals and character classes may hold parentheses that are text.
 _GBNF_TEXT = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*')
 
@@ -57,22 +54,6 @@ def check_grammar(gbnf: str) -> str:
     return gbnf
 
 
-def _check_counts(node: Any, path: str) -> None:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            where = f"{path}.{key}"
-            if key in _COUNT_KEYS and isinstance(value, int) and value > MAX_SCHEMA_COUNT:
-                raise GrammarRejected(f"{where} = {value} is over the limit of {MAX_SCHEMA_COUNT}")
-            if key == "pattern" and isinstance(value, str):
-                for low, high in _PATTERN_COUNT.findall(value):
-                    if max(int(low), int(high or 0)) > MAX_SCHEMA_COUNT:
-                        raise GrammarRejected(f"{where} repeats more than {MAX_SCHEMA_COUNT} times")
-            _check_counts(value, where)
-    elif isinstance(node, list):
-        for i, item in enumerate(node):
-            _check_counts(item, f"{path}[{i}]")
-
-
 def bounded_schema(schema_json: str) -> Any:
     """The JSON schema, its counts bounded, or GrammarRejected saying what
     is wrong. LLGuidance writes item counts out too: one maxItems of 10**7
@@ -82,7 +63,10 @@ def bounded_schema(schema_json: str) -> Any:
         schema = json.loads(schema_json)
     except (json.JSONDecodeError, RecursionError) as exc:
         raise GrammarRejected(f"the JSON schema is not valid JSON: {exc}") from exc
-    _check_counts(schema, "schema")
+    try:
+        check_counts(schema)
+    except CountTooLarge as exc:
+        raise GrammarRejected(str(exc)) from exc
     return schema
 
 

@@ -17,8 +17,10 @@ facts of the engine, measured with xllamacpp 2026.10, shape this module:
   (:class:`CompileCheck`): the same grammar behind a forced sentinel, a few
   tokens long; an output that is not the sentinel means it did not compile.
 
-Whitespace is fixed (``", "`` and ``": "``, nothing else): with LLGuidance's
-default any whitespace is allowed, and a small model can pad forever.
+The grammars themselves are written by formats/schema_lark.py (JSON output
+formats) and supervisor/generation/lark_calls.py (forced tool calls); both
+put the start rule on the line after the header, where the compile check
+puts its sentinel.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-# How the JSON is laid out: as json.dumps writes it, no other whitespace.
-_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+from formats.schema_lark import NotASchema, lark_grammar, lark_json
+
 # Forced before the answer in a compile check; no model writes it unforced.
 SENTINEL = "~^~^"
 # A schema whose answer the probe can check: a key is forced, its value chosen.
@@ -53,16 +55,14 @@ def json_lark(schema: Any, *, lenient: bool = False) -> str:
     ``lenient`` lets LLGuidance ignore the keywords it does not implement
     (the parent allows that only when the client did not ask for strict).
     """
-    if schema is False or not isinstance(schema, (dict, bool)):
-        raise GuidanceRefused("a JSON schema must be an object (or true)")
-    body = dict(schema) if isinstance(schema, dict) else {}
-    options = {**_LAYOUT, **({"lenient": True} if lenient else {})}
-    body["x-guidance"] = options
-    return "%llguidance {}\nstart: %json " + json.dumps(body, ensure_ascii=False)
+    try:
+        return lark_grammar(lark_json(schema, lenient=lenient))
+    except NotASchema as exc:
+        raise GuidanceRefused(str(exc)) from exc
 
 
 def _behind_sentinel(grammar: str) -> str:
-    """``grammar`` (one of :func:`json_lark`'s) with the sentinel forced first."""
+    """``grammar`` (its start rule on the line after the header) with the sentinel forced first."""
     head, _, json_part = grammar.partition("\nstart: ")
     return f'{head}\nstart: "{SENTINEL}" answer\nanswer: {json_part}'
 

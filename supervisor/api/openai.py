@@ -353,7 +353,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     schema = params.json_schema
     plan = await asyncio.to_thread(functools.partial(
         tool_plan, messages, params, profile, tools=offer.functions, choice=offer.choice,
-        parallel=req.parallel_calls,
+        parallel=req.parallel_calls, guidance=facts.schema_grammar == "llguidance", model=req.model,
         template_vars=merged_vars(profile.template_vars(req.reasoning_effort), req.chat_template_kwargs,
                                   req.enable_thinking)))
     enforce_format(schema, plan.params, facts, generic_answer=plan.may_answer, strict=req.schema_strict,

@@ -35,9 +35,13 @@ from typing import Any
 import msgspec
 
 from formats.schema_gbnf import SchemaError, SchemaGrammar, gbnf_literal
+from formats.schema_keywords import Backend, unenforced
+from formats.schema_lark import NotASchema, lark_json
 from supervisor.errors import BadRequest
 from supervisor.generation.grammar import MAX_PARALLEL_CALLS, args_rule, call_body
+from supervisor.generation.lark_calls import lark_generic_grammar
 from supervisor.generation.profile import TemplateProfile
+from supervisor.generation.tool_schemas import checked_tools
 from supervisor.generation.tools import FunctionTool, NamedFunction, PlanChoice
 from worker.protocol import ChatMessage, ContentPart, ImagePart, SamplingParams, TextPart
 
@@ -207,15 +211,40 @@ def generic_grammar(functions: list[FunctionTool], choice: PlanChoice, *, parall
     return g.render(f"{gbnf_literal(prefix)} ( {root} )" if prefix else root)
 
 
+def _lark_answer(params: SamplingParams) -> str:
+    """The answer's ``%json`` rule: a string, or the request's JSON output
+    format. LLGuidance ignores a keyword it does not implement (else it
+    refuses the whole grammar); output_format.py refuses that when strict."""
+    if params.json_schema is not None:
+        schema = json.loads(params.json_schema)
+        return lark_json(schema, lenient=bool(unenforced(schema, Backend.LLGUIDANCE)))
+    return lark_json({"type": "object"} if params.json_object else {"type": "string"})
+
+
+def generic_lark(functions: list[FunctionTool], choice: PlanChoice, *, parallel: bool, params: SamplingParams,
+                 prefix: str = "", model: str = "") -> str:
+    """:func:`generic_grammar` as an LLGuidance grammar (lark_calls.py), for
+    a vocab that takes it: the arguments hold every keyword it implements."""
+    named = choice.name if isinstance(choice, NamedFunction) else None
+    chosen = [fn for fn in functions if named is None or fn.name == named]
+    if not chosen:
+        raise ValueError("generic_lark needs at least one function")
+    return lark_generic_grammar(checked_tools(chosen, Backend.LLGUIDANCE, model),
+                                keys=(CALL_KEY, CALLS_KEY, ANSWER_KEY), several=parallel and named is None,
+                                answer=_lark_answer(params) if choice == "auto" else None, prefix=prefix)
+
+
 # ------------------------------------------------------------------- offer
 
 
 def offer_in_prompt(messages: list[ChatMessage], params: SamplingParams, profile: TemplateProfile, *,
-                    functions: list[FunctionTool], choice: PlanChoice, parallel: bool) -> list[ChatMessage]:
+                    functions: list[FunctionTool], choice: PlanChoice, parallel: bool, guidance: bool = False,
+                    model: str = "") -> list[ChatMessage]:
     """The messages that offer ``functions`` to a template that cannot list
-    them; for the generic format ``params`` get its grammar. ``functions``
-    is empty when none are offered (``tool_choice: none``): only the history
-    is rewritten then."""
+    them; for the generic format ``params`` get its grammar (LLGuidance's
+    where ``guidance``: the model's vocab takes it). ``functions`` is empty
+    when none are offered (``tool_choice: none``): only the history is
+    rewritten then."""
     if not profile.generic_tools:
         if not functions:
             return messages
@@ -224,10 +253,16 @@ def offer_in_prompt(messages: list[ChatMessage], params: SamplingParams, profile
     messages = portable_history(messages)
     if not functions:
         return messages
+    prefix = "</think>\n\n" if profile.starts_in_reasoning else ""
     try:
-        params.grammar = generic_grammar(functions, choice, parallel=parallel, params=params,
-                                         prefix="</think>\n\n" if profile.starts_in_reasoning else "")
-    except SchemaError as exc:
+        if guidance:
+            params.grammar = generic_lark(functions, choice, parallel=parallel, params=params, prefix=prefix,
+                                          model=model)
+        else:
+            checked_tools(functions if not isinstance(choice, NamedFunction)
+                          else [fn for fn in functions if fn.name == choice.name], Backend.GBNF, model)
+            params.grammar = generic_grammar(functions, choice, parallel=parallel, params=params, prefix=prefix)
+    except (SchemaError, NotASchema) as exc:
         raise BadRequest(f"a tool's parameters or the output format cannot be enforced: {exc}", param="tools",
                          code="invalid_grammar") from exc
     # The grammar holds the output format too (an answer in that format).

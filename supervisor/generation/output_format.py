@@ -43,7 +43,9 @@ def enforce_format(schema: str | None, params: SamplingParams, facts: ModelFacts
     The plan may have replaced the format: a forced tool call leaves no
     room for it (nothing to check), and the generic tool-call format of a
     template without tools holds the answer's schema in its own GBNF
-    (``generic_answer``). Raises ``BadRequest`` naming ``param``.
+    (``generic_answer``: as LLGuidance's ``%json`` where the vocab takes
+    it, lenient only where it must be, generic_calls.py). Raises
+    ``BadRequest`` naming ``param``.
     """
     if schema is None:
         return
@@ -51,11 +53,12 @@ def enforce_format(schema: str | None, params: SamplingParams, facts: ModelFacts
         if facts.schema_grammar not in _BACKENDS:
             return  # the engine's own structured outputs (vLLM's): its subset is its own
         backend = _BACKENDS[facts.schema_grammar]
+        params.json_lenient = backend is Backend.LLGUIDANCE and not strict
     elif generic_answer:
-        backend = Backend.GBNF
+        # The generic format's grammar holds the answer: LLGuidance's where the vocab takes it.
+        backend = Backend.LLGUIDANCE if (params.grammar or "").startswith("%llguidance") else Backend.GBNF
     else:
         return
-    params.json_lenient = backend is Backend.LLGUIDANCE and not strict
     try:
         missing = unenforced(json.loads(schema), backend)
     except RecursionError as exc:

@@ -15,18 +15,21 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from formats.schema_gbnf import SchemaError
+from formats.schema_keywords import Backend
 from supervisor.errors import ApiError, BadRequest, ModelNotFound, Unavailable
 from supervisor.generation.generic_calls import offer_in_prompt
 from supervisor.generation.generic_parse import GenericParser
 from supervisor.generation.grammar import tool_call_grammar
 from supervisor.generation.harmony import HarmonyParser
 from supervisor.generation.images import require_vision
+from supervisor.generation.lark_calls import LARK_STYLES, lark_tool_grammar
 from supervisor.generation.output_format import enforce_format
 from supervisor.generation.parse import OutputParser
 from supervisor.generation.pieces import Piece, StreamParser, ToolCall
 from supervisor.generation.profile import TemplateProfile, served_profile
 from supervisor.generation.template_vars import merged_vars
 from supervisor.generation.sampling import asked_fields
+from supervisor.generation.tool_schemas import checked_tools
 from supervisor.generation.tools import FunctionTool, NamedFunction, Offer, PlanChoice
 from supervisor.responses.convert import collect_images, template_tools, to_messages
 from supervisor.responses.events import Event, EventBuilder
@@ -195,19 +198,27 @@ def _constrain_calls(
     choice: PlanChoice,
     parallel: bool,
     profile: TemplateProfile,
+    guidance: bool = False,
+    model: str = "",
 ) -> None:
     """Force a well-formed call for "required" or a named function, with a
-    grammar that replaces any output format; else cap "auto" at one call."""
+    grammar that replaces any output format: LLGuidance's where ``guidance``
+    (the model's vocab takes it) and the call format allows it
+    (lark_calls.py), else our GBNF; else cap "auto" at one call."""
     if choice == "required" or isinstance(choice, NamedFunction):
         chosen = [t for t in tools if not isinstance(choice, NamedFunction) or t.name == choice.name]
+        lark = guidance and profile.tool_style in LARK_STYLES
+        checked = checked_tools(chosen, Backend.LLGUIDANCE if lark else Backend.GBNF, model)
+        several = parallel and not isinstance(choice, NamedFunction)
+        # The template opened a think block: the call follows its end, as the model writes it.
+        prefix = "</think>\n\n" if profile.starts_in_reasoning else ""
         try:
-            params.grammar = tool_call_grammar(
-                [(t.name, t.parameters) for t in chosen],
-                style=profile.tool_style,
-                parallel=parallel and not isinstance(choice, NamedFunction),
-                # The template opened a think block: the call follows its end, as the model writes it.
-                prefix="</think>\n\n" if profile.starts_in_reasoning else "",
-            )
+            if lark:
+                params.grammar = lark_tool_grammar(checked, style=profile.tool_style, parallel=several,
+                                                   prefix=prefix)
+            else:
+                params.grammar = tool_call_grammar([(t.name, t.parameters) for t in chosen],
+                                                   style=profile.tool_style, parallel=several, prefix=prefix)
         except SchemaError as exc:
             raise BadRequest(f"a tool's parameters cannot be enforced: {exc}", param="tools",
                              code="invalid_grammar") from exc
@@ -227,15 +238,19 @@ def tool_plan(
     parallel: bool,
     template_vars: dict[str, Any] | None = None,
     namespaces: dict[str, tuple[str, str]] | None = None,
+    guidance: bool = False,
+    model: str = "",
 ) -> Plan:
-    """The plan for ``messages`` offering ``tools`` under ``choice`` (chat completions share it)."""
+    """The plan for ``messages`` offering ``tools`` under ``choice`` (chat
+    completions share it); ``guidance``: the model's vocab takes LLGuidance
+    grammars (``ModelFacts.schema_grammar``), named ``model`` in refusals."""
     use_tools = bool(tools) and choice != "none"
     if profile.tool_support != "native":
         # The template cannot list the tools: the prompt does (generic_calls.py).
         messages = offer_in_prompt(messages, params, profile, functions=tools if use_tools else [],
-                                   choice=choice, parallel=parallel)
+                                   choice=choice, parallel=parallel, guidance=guidance, model=model)
     if not profile.generic_tools:
-        _constrain_calls(params, tools, choice, parallel, profile)
+        _constrain_calls(params, tools, choice, parallel, profile, guidance, model)
     return Plan(
         messages=messages,
         params=params,
@@ -266,6 +281,8 @@ def plan(req: CreateRequest, history: list[Item], items: list[Item], facts: Mode
         parallel=req.parallel_tool_calls,
         template_vars=merged_vars(profile.template_vars(effort), req.chat_template_kwargs, req.enable_thinking),
         namespaces=offer.namespaces,
+        guidance=facts.schema_grammar == "llguidance",
+        model=req.model,
     )
     fmt = req.text.format
     if isinstance(fmt, FormatJsonSchema):
