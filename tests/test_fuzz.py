@@ -509,3 +509,11 @@ def test_deeply_nested_tool_parameters_are_a_400(fuzz_server: Server) -> None:
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "tools"
     _alive(fuzz_server)
+
+
+@pytest.mark.parametrize("field,value", [("top_k", -1), ("top_k", 2**21), ("min_p", 5.0), ("min_p", -0.1),
+                                         ("repeat_penalty", -1.0), ("repeat_penalty", 9.0)])
+def test_llama_sampling_fields_out_of_range_are_a_400(fuzz_server: Server, field: str, value: float) -> None:
+    r = _chat(fuzz_server, **{field: value})
+    assert r.status_code == 400, r.text
+    assert assert_openai_error(r)["param"] == field

@@ -162,8 +162,13 @@ class Sampling(msgspec.Struct, kw_only=True):
     def sampling(self, max_tokens: int | None = None) -> SamplingParams:
         if not 1 <= self.n <= MAX_CHOICES:
             raise BadRequest(f"n must be within [1, {MAX_CHOICES}]", param="n")
+        # top_k, min_p and repeat_penalty within what [model_defaults] accepts
+        # (supervisor/config.py): a negative top_k or a min_p of 5 reached the engine.
         for name, value, lo, hi in (("temperature", self.temperature, 0.0, 2.0),
                                     ("top_p", self.top_p, 0.0, 1.0),
+                                    ("top_k", self.top_k, 0, 1 << 20),
+                                    ("min_p", self.min_p, 0.0, 1.0),
+                                    ("repeat_penalty", self.repeat_penalty, 0.0, 2.0),
                                     ("presence_penalty", self.presence_penalty, -2.0, 2.0),
                                     ("frequency_penalty", self.frequency_penalty, -2.0, 2.0)):
             if value is not None and not lo <= value <= hi:
