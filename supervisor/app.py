@@ -21,7 +21,7 @@ from aiohttp import web
 
 from jobs.params import Roots
 from supervisor import logs, responses
-from supervisor.api import auth, metrics, openapi, proxies, shutdown, waiting
+from supervisor.api import auth, metrics, openapi, proxies, shutdown, user_view, waiting
 from supervisor.api import jobs as routes_jobs
 from supervisor.api import models as routes_models
 from supervisor.api import openai as routes_openai
@@ -76,6 +76,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except ApiError as err:
         if err.close_connection:
             return await answer_and_close(request, error_response(err))
+        if auth.request_scope(request) is not None:  # a user key: no engine internals
+            err = user_view.engine_error(err, request["request_id"])
         return error_response(err)
     except web.HTTPException as exc:
         if exc.status < 400:

@@ -98,3 +98,16 @@ def test_a_user_key_gets_no_worker_log(srv: Server, tmp_path: Path) -> None:
     alice = _auth(_key(srv, "alice2"))
     models = httpx.get(f"{srv.base_url}/api/models", headers=alice, timeout=10).json()["data"]
     assert all(m["log_tail"] is None for m in models)
+
+
+def test_an_engine_error_reaches_a_user_key_without_the_engines_text(caplog: pytest.LogCaptureFixture) -> None:
+    from supervisor.api.user_view import engine_error
+    from supervisor.errors import BadRequest, UpstreamError
+    raw = UpstreamError("std::bad_alloc in /opt/llama/src/llama-context.cpp", code="engine_error")
+    with caplog.at_level("WARNING", logger="gpuvisor.api"):
+        shown = engine_error(raw, "req_1")
+    assert shown.status == 502 and shown.code == "engine_error"
+    assert "bad_alloc" not in shown.message and "/opt" not in shown.message and "req_1" in shown.message
+    assert "std::bad_alloc" in caplog.text  # the operator keeps the text, under the request id
+    mine = BadRequest("max_tokens must be at least 1", param="max_tokens")
+    assert engine_error(mine, "req_2") is mine  # the caller's own mistakes are theirs to read

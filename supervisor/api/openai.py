@@ -22,7 +22,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from supervisor.api import user_view
 from supervisor.api.adapter_views import v1_pairs
+from supervisor.api.auth import request_scope
 from supervisor.api.callers import caller_of
 from supervisor.api.io import SseWriter, decode_body, json_response
 from supervisor.api.models import model_media
@@ -297,6 +299,8 @@ async def _stream(request: web.Request, shape: _Shape, choices: list[_Choice],
         # Mid-stream failure (a crash, the shutdown): a final error object,
         # then the stream's usual end, so a client reading to [DONE] sees a
         # complete stream rather than a cut connection (vLLM does the same).
+        if request_scope(request) is not None:  # a user key: no engine internals
+            err = user_view.engine_error(err, request.get("request_id", ""))
         await sse.data(err.body())
         await sse.raw(b"data: [DONE]\n\n")
     await sse.close()

@@ -9,11 +9,12 @@ everyone when authentication is off, see everything as before.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from supervisor.errors import BusyJob, DeviceBusy, NotFound
+from supervisor.errors import ApiError, BusyJob, DeviceBusy, NotFound, UpstreamError
 
 # A traceback's frame line ("  File "/x/y.py", line 3, in f"), and the
 # source line that follows it, indented deeper.
@@ -21,6 +22,7 @@ _FRAME = re.compile(r'^\s*File "[^"\n]*", line \d+(?:, in .*)?\n(?:[ \t]{4,}\S.*
 # An absolute path of two or more parts: shown by its last part only.
 _PATH = re.compile(r"(?<![\w.~-])/(?:[\w.+-]+/)+([\w.+-]+)")
 OTHERS_JOB = "another caller's job"
+log = logging.getLogger("gpuvisor.api")
 # How the lease names a job in a sentence ("held by job job_0123abcd... (sleep)").
 _JOB_MENTION = re.compile(r"\bjob (job_[0-9a-f]{16})(?: \([^)]*\))?")
 
@@ -28,6 +30,22 @@ _JOB_MENTION = re.compile(r"\bjob (job_[0-9a-f]{16})(?: \([^)]*\))?")
 def scrub(text: str) -> str:
     """``text`` without stack frames, and with paths cut to their last part."""
     return _PATH.sub(r"\1", _FRAME.sub("", text))
+
+
+# Worker error codes whose message is the engine's own text (a C++
+# exception's what(): "std::bad_alloc", a file path): a user key gets a
+# plain sentence instead, the log keeps the text under the request id.
+ENGINE_TEXT_CODES = frozenset({"engine_error", "worker_error"})
+
+
+def engine_error(err: ApiError, request_id: str) -> ApiError:
+    """``err`` as a user key sees it: the engine's raw text replaced."""
+    if not isinstance(err, UpstreamError) or err.code not in ENGINE_TEXT_CODES:
+        return err
+    log.warning("request %s: %s (shown to the caller without the engine's text)", request_id, err.message)
+    shown = UpstreamError(f"the engine failed on this request; the service log has its reason "
+                          f"under request id {request_id}", code=err.code, headers=err.headers)
+    return shown
 
 
 def job(view: dict[str, Any]) -> dict[str, Any]:
