@@ -9,14 +9,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.generation.grammar import ToolStyle
+from supervisor.generation.tagged_grammar import CallStyle
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 
 # Markup of every family's calls and reasoning: none of it may reach visible text.
 MARKUP = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<|channel|>",
           "<|message|>", "<|call|>", "<|constrain|>", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
-          "<｜tool▁sep｜>", "<think>", "</think>")
+          "<｜tool▁sep｜>", "<think>", "</think>", "<function=", "<parameter=", "<arg_key>", "<arg_value>",
+          "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", ">>>",
+          "<|START_ACTION|>", "<|END_ACTION|>", "<|START_THINKING|>", "<|END_THINKING|>", "<|START_RESPONSE|>",
+          "<|END_RESPONSE|>", "<|tool_call|>",
+          "<TOOLCALL>", "</TOOLCALL>")
 
 R1_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
            '{"city": "Oslo", "unit": "c"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
@@ -27,7 +31,7 @@ class Family:
     """One template and what its model writes."""
 
     name: str  # the fixture's file name without .jinja, and the model's id
-    style: ToolStyle
+    style: CallStyle
     thinks: bool = False
     starts_in_reasoning: bool = False
     # How the generation prompt ends (after a user message).
@@ -40,6 +44,8 @@ class Family:
     bos: str = "<s>"
     eos: str = "</s>"
     vars: dict[str, Any] = field(default_factory=dict)
+    # How the call to get_weather(Oslo, c) shows in a rendered history.
+    history_call: str = '"city": "Oslo"'
 
     @property
     def template(self) -> str:
@@ -76,6 +82,39 @@ FAMILIES = [
            call_text="The user wants the weather.\n</think>\n\n" + R1_CALL,
            answer_text="weigh it\n</think>\n\nSunny.",
            bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>"),
+]
+WEATHER_JSON = '{"city": "Oslo", "unit": "c"}'
+# Templates of our own writing that produce a family's call format (see the fixtures' README).
+FAMILIES += [
+    Family("qwen3-coder", "qwen3_coder", prompt_end="<|im_start|>assistant\n",
+           call_text=("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+                      "<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>"),
+           bos="", eos="<|im_end|>", history_call="<parameter=city>\nOslo\n</parameter>"),
+    Family("hermes-2-pro", "hermes", prompt_end="<|im_start|>assistant\n", call_text=HERMES_CALL,
+           bos="", eos="<|im_end|>"),
+    Family("functionary-v3.2", "functionary_v32", prompt_end="<|start_header_id|>assistant<|end_header_id|>\n\n",
+           call_text=">>>get_weather\n" + WEATHER_JSON, bos="<|begin_of_text|>", eos="<|eot_id|>"),
+    Family("glm-4.5", "glm45", thinks=True, prompt_end="<|assistant|>",
+           answer_text="\n<think>weigh it</think>\nSunny.",
+           call_text=("\n<think>The user wants the weather.</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n"
+                      "<arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>"),
+           bos="", eos="<|user|>", history_call="<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>"),
+    Family("kimi-k2", "kimi_k2", prompt_end="<|im_assistant|>assistant<|im_middle|>",
+           call_text=("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                      "<|tool_call_argument_begin|>" + WEATHER_JSON + "<|tool_call_end|><|tool_calls_section_end|>"),
+           bos="", eos="<|im_end|>"),
+    Family("command-r7b", "command_r7b", thinks=True, prompt_end="<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+           call_text=('<|START_THINKING|>The user wants the weather.<|END_THINKING|>'
+                      '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": '
+                      + WEATHER_JSON + "}\n]<|END_ACTION|>"),
+           answer_text="<|START_THINKING|>weigh it<|END_THINKING|><|START_RESPONSE|>Sunny.<|END_RESPONSE|>",
+           bos="<BOS_TOKEN>", eos="<|END_OF_TURN_TOKEN|>"),
+    Family("granite", "granite", prompt_end="<|start_of_role|>assistant<|end_of_role|>",
+           call_text='<|tool_call|>[{"name": "get_weather", "arguments": ' + WEATHER_JSON + "}]",
+           bos="", eos="<|end_of_text|>"),
+    Family("nemotron", "nemotron", prompt_end="<extra_id_1>Assistant\n",
+           call_text='<TOOLCALL>[{"name": "get_weather", "arguments": ' + WEATHER_JSON + "}]</TOOLCALL>",
+           bos="<s>", eos="</s>"),
 ]
 THINKERS = [f for f in FAMILIES if f.answer_text]
 IDS = [f.name for f in FAMILIES]

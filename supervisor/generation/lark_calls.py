@@ -25,9 +25,9 @@ import json
 from typing import Any
 
 from formats.schema_lark import lark_grammar, lark_json, lark_literal
-from supervisor.generation.grammar import MAX_PARALLEL_CALLS, ToolStyle
+from supervisor.generation.grammar import MAX_PARALLEL_CALLS
 
-LARK_STYLES: frozenset[ToolStyle] = frozenset({"hermes", "llama3"})
+LARK_STYLES: frozenset[str] = frozenset({"hermes", "llama3"})
 
 # One tool for a grammar: (name, JSON schema of its arguments or None, lenient).
 LarkTool = tuple[str, dict[str, Any] | None, bool]
@@ -59,7 +59,7 @@ def _prefixed(prefix: str, root: str) -> str:
     return f"{lark_literal(prefix)} ( {root} )" if prefix else root
 
 
-def lark_tool_grammar(tools: list[LarkTool], *, style: ToolStyle, parallel: bool, prefix: str = "") -> str:
+def lark_tool_grammar(tools: list[LarkTool], *, style: str, parallel: bool, prefix: str = "") -> str:
     """LLGuidance's grammar forcing calls to one of ``tools`` in ``style``
     (one of :data:`LARK_STYLES`); ``prefix`` as in ``tool_call_grammar``."""
     if style not in LARK_STYLES:

@@ -21,15 +21,26 @@ it becomes an incomplete call (``complete=False``) when its name is known,
 with the arguments written so far, and is dropped when it is not. Under a
 grammar that forces calls (``forced``), every unfinished marker is dropped too.
 
-Each format's calls are read in :mod:`json_calls` (Hermes, Llama 3, Mistral)
-and :mod:`deepseek_calls`; gpt-oss writes "harmony" messages instead, read by
-:class:`~supervisor.generation.harmony.HarmonyParser`.
+The families of :mod:`tagged_calls` (Qwen3-Coder and GLM 4.5 inside
+``<tool_call>``, Kimi K2, Functionary v3.2, Command R7B, Granite, Nemotron)
+are read when the template's call format (``style``) is theirs; the markers
+of one family are plain text under another.
+
+Each format's calls are read in :mod:`json_calls` (Hermes, Llama 3, Mistral),
+:mod:`deepseek_calls` and :mod:`tagged_calls`; gpt-oss writes "harmony"
+messages instead, read by :class:`~supervisor.generation.harmony.HarmonyParser`.
+A call the model closed with a slip in its JSON is read after the safe
+repairs of :mod:`arg_repair`.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
+import re
 
+from supervisor.generation import tagged_calls as tc
+from supervisor.generation.arg_repair import repair_json
 from supervisor.generation.deepseek_calls import (
     parse_deepseek_calls,
     partial_deepseek_calls,
@@ -60,11 +71,30 @@ HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 
+# Markers that open calls closed by another marker, by the opening one.
+_CLOSING = {HERMES_OPEN: HERMES_CLOSE, tc.KIMI_SECTION_OPEN: tc.KIMI_SECTION_CLOSE,
+            tc.R7B_OPEN: tc.R7B_CLOSE, tc.NEMOTRON_OPEN: tc.NEMOTRON_CLOSE}
+# Each family's own markers, on top of those every family shares.
+_STYLE_MARKERS: dict[str, tuple[str, ...]] = {
+    "kimi_k2": (tc.KIMI_SECTION_OPEN,),
+    "functionary_v32": (tc.FUNCTIONARY_OPEN,),
+    "command_r7b": (tc.R7B_OPEN, *tc.R7B_RESPONSE_MARKERS),
+    "granite": (tc.GRANITE_OPEN,),
+    "nemotron": (tc.NEMOTRON_OPEN,),
+}
+_THINK_MARKERS = {"command_r7b": tc.R7B_THINKING}
+# Markup around plain text, dropped from it.
+_DROPPED = frozenset(tc.R7B_RESPONSE_MARKERS)
+# Kimi K2's arguments, each closed by the model: what a repair may touch.
+_KIMI_ARGS = re.compile(re.escape(tc.KIMI_ARGS) + "(.*?)" + re.escape(tc.KIMI_CALL_CLOSE), re.DOTALL)
+
+log = logging.getLogger(__name__)
+
 
 class _State(enum.Enum):
     REASONING = "reasoning"
     TEXT = "text"
-    HERMES = "hermes"  # inside <tool_call>, until </tool_call>
+    CLOSED_CALLS = "closed_calls"  # inside <tool_call> (or the like), until its closing marker
     TRAILING_CALLS = "trailing_calls"  # Mistral / Llama 3 / DeepSeek: calls run to the end
 
 
@@ -80,11 +110,19 @@ class OutputParser:
         tool_names: frozenset[str] = frozenset(),
         bare_json_calls: bool = True,
         forced: bool = False,
+        style: str = "hermes",
+        schemas: tc.Schemas | None = None,
     ) -> None:
         self._thinking = thinking or starts_in_reasoning
         # A grammar forces calls: no visible text can follow, only markup.
         self._forced = forced
         self._names = tool_names
+        self._style = style
+        # Qwen3-Coder and GLM 4.5 type raw values by the schema; unknown: by what they spell.
+        self._schemas: tc.Schemas = {n: (schemas or {}).get(n) for n in tool_names}
+        self._open = HERMES_OPEN
+        # Command R7B writes its reasoning between markers of its own.
+        self._think_open, self._think_close = _THINK_MARKERS.get(style, (THINK_OPEN, THINK_CLOSE))
         self._bare_json = bare_json_calls and bool(tool_names)
         self._state = _State.REASONING if starts_in_reasoning else _State.TEXT
         self._buf = ""
@@ -116,15 +154,15 @@ class OutputParser:
             case _State.REASONING:
                 if self._forced:
                     # The grammar's "</think>" cut short is markup, not reasoning.
-                    buf = buf[: len(buf) - held_suffix(buf, (THINK_CLOSE,))]
+                    buf = buf[: len(buf) - held_suffix(buf, (self._think_close,))]
                 if buf:
                     out.append(Reasoning(buf))
             case _State.TEXT:
                 # Under a forced call, what is held back is the start of a marker.
                 if not self._forced and (buf.strip() or (buf and not self._fresh)):
                     out.append(Text(buf))
-            case _State.HERMES:
-                out.extend(self._hermes_calls(buf, closed=False))
+            case _State.CLOSED_CALLS:
+                out.extend(self._closed_calls(buf, closed=False))
             case _State.TRAILING_CALLS:
                 out.extend(self._trailing_calls(buf))
         return out
@@ -137,8 +175,8 @@ class OutputParser:
                 return self._step_reasoning(out)
             case _State.TEXT:
                 return self._step_text(out)
-            case _State.HERMES:
-                return self._step_hermes(out)
+            case _State.CLOSED_CALLS:
+                return self._step_closed(out)
             case _State.TRAILING_CALLS:
                 return False
 
@@ -146,22 +184,22 @@ class OutputParser:
         if not self._output_started:
             # A template that opens <think> itself may still see the model repeat it.
             stripped = self._buf.lstrip()
-            if THINK_OPEN.startswith(stripped) and stripped != THINK_OPEN:
+            if self._think_open.startswith(stripped) and stripped != self._think_open:
                 return False
-            if stripped.startswith(THINK_OPEN):
-                self._buf = stripped[len(THINK_OPEN) :]
+            if stripped.startswith(self._think_open):
+                self._buf = stripped[len(self._think_open) :]
             self._output_started = True
         if self._fresh:
             self._buf = self._buf.lstrip()
-        end = self._buf.find(THINK_CLOSE)
+        end = self._buf.find(self._think_close)
         if end >= 0:
             if end:
                 out.append(Reasoning(self._buf[:end]))
             self._fresh = False
-            self._buf = self._buf[end + len(THINK_CLOSE) :]
+            self._buf = self._buf[end + len(self._think_close) :]
             self._enter_text()
             return True
-        keep = held_suffix(self._buf, (THINK_CLOSE,))
+        keep = held_suffix(self._buf, (self._think_close,))
         if len(self._buf) > keep:
             out.append(Reasoning(self._buf[: len(self._buf) - keep]))
             self._buf = self._buf[len(self._buf) - keep :]
@@ -169,9 +207,12 @@ class OutputParser:
         return False
 
     def _markers(self) -> tuple[str, ...]:
-        markers: tuple[str, ...] = (THINK_OPEN,) if self._thinking else ()
+        markers: tuple[str, ...] = (self._think_open,) if self._thinking else ()
         if self._names:
             markers += (HERMES_OPEN, MISTRAL_CALLS, PYTHON_TAG, DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALL_BEGIN)
+            markers += _STYLE_MARKERS.get(self._style, ())
+        elif self._style == "command_r7b":
+            markers += tc.R7B_RESPONSE_MARKERS
         return markers
 
     def _step_text(self, out: list[Piece]) -> bool:
@@ -196,8 +237,17 @@ class OutputParser:
         if hits:
             pos, marker = min(hits)
             self._emit_text(out, self._buf[:pos])
-            self._buf = self._buf[pos + len(marker) :]
-            self._enter_marker(marker)
+            rest = self._buf[pos + len(marker) :]
+            if marker == tc.FUNCTIONARY_OPEN and rest.startswith(tc.FUNCTIONARY_TEXT + "\n"):
+                # ">>>all\n" opens Functionary's plain text.
+                self._buf = rest[4:]
+                return True
+            if marker == tc.FUNCTIONARY_OPEN and (tc.FUNCTIONARY_TEXT + "\n").startswith(rest):
+                self._buf = self._buf[pos:]  # "all" or a name: the next delta decides
+                return False
+            self._buf = rest
+            if marker not in _DROPPED:
+                self._enter_marker(marker)
             return True
         keep = held_suffix(self._buf, markers)
         self._emit_text(out, self._buf[: len(self._buf) - keep])
@@ -211,11 +261,12 @@ class OutputParser:
             self._visible_started = True
 
     def _enter_marker(self, marker: str) -> None:
-        if marker == THINK_OPEN:
+        if marker == self._think_open:
             self._state = _State.REASONING
             self._fresh = True
-        elif marker == HERMES_OPEN:
-            self._state = _State.HERMES
+        elif marker in _CLOSING:
+            self._state = _State.CLOSED_CALLS
+            self._open = marker
         else:
             self._state = _State.TRAILING_CALLS
             self._trailing_prefix = marker
@@ -224,26 +275,77 @@ class OutputParser:
         self._state = _State.TEXT
         self._fresh = True
 
-    def _step_hermes(self, out: list[Piece]) -> bool:
-        end = self._buf.find(HERMES_CLOSE)
+    def _step_closed(self, out: list[Piece]) -> bool:
+        close = _CLOSING[self._open]
+        end = self._buf.find(close)
         if end < 0:
             return False
         body = self._buf[:end]
-        self._buf = self._buf[end + len(HERMES_CLOSE) :]
-        out.extend(self._hermes_calls(body, closed=True))
+        self._buf = self._buf[end + len(close) :]
+        out.extend(self._closed_calls(body, closed=True))
         self._enter_text()
         return True
 
-    def _hermes_calls(self, body: str, *, closed: bool) -> list[Piece]:
+    def _closed_calls(self, body: str, *, closed: bool) -> list[Piece]:
         self._visible_started = True
+        close = _CLOSING[self._open]
         # A stop string or the token limit may have cut the closing tag.
-        cut = body if closed else body[: len(body) - held_suffix(body, (HERMES_CLOSE,))]
-        calls = parse_json_calls(cut, self._names)
+        cut = body if closed else body[: len(body) - held_suffix(body, (close,))]
+        glm = self._open == HERMES_OPEN and cut.strip()[:1] not in ("{", "[", "<", "")
+        # A GLM 4.5 call ends only at its closing tag: without it, more arguments were to come.
+        calls = None if glm and not closed else self._whole_closed(cut)
         if calls:
             return list(calls)
         if not closed:
-            return list(partial_json_calls(cut, self._names))
-        return [Text(HERMES_OPEN + body + HERMES_CLOSE)]
+            return list(self._partial_closed(cut))
+        calls = self._repaired(body)
+        if calls:
+            return list(calls)
+        log.warning("a tool call that does not parse or names no offered tool is left as text: %.120r", body)
+        return [Text(self._open + body + close)]
+
+    def _repaired(self, body: str) -> list[ToolCall] | None:
+        """The calls of a closed body after the safe JSON repairs (:mod:`arg_repair`)."""
+        whats: list[str] = []
+
+        def fixed(text: str) -> str:
+            repaired = repair_json(text.strip())
+            if repaired is None:
+                return text
+            whats.append(repaired.what)
+            return repaired.text
+
+        if self._open == tc.KIMI_SECTION_OPEN:
+            body = _KIMI_ARGS.sub(lambda m: tc.KIMI_ARGS + fixed(m.group(1)) + tc.KIMI_CALL_CLOSE, body)
+        elif self._open != HERMES_OPEN or body.strip()[:1] in ("{", "["):
+            body = fixed(body)
+        calls = self._whole_closed(body) if whats else None
+        if calls:
+            log.info("repaired a tool call's JSON: %s", "; ".join(whats))
+        return calls
+
+    def _whole_closed(self, body: str) -> list[ToolCall] | None:
+        if self._open == tc.KIMI_SECTION_OPEN:
+            return tc.parse_kimi_calls(body, self._names)
+        if self._open != HERMES_OPEN:
+            return tc.parse_list_calls(self._open, body, self._names)
+        if tc.xml_body(body):
+            return tc.parse_xml_calls(body, self._schemas)
+        if body.strip()[:1] not in ("{", "["):
+            return tc.parse_glm_call(body, self._schemas)
+        return parse_json_calls(body, self._names)
+
+    def _partial_closed(self, body: str) -> list[ToolCall]:
+        if self._open == tc.KIMI_SECTION_OPEN:
+            return tc.partial_kimi_calls(body, self._names)
+        if self._open != HERMES_OPEN:
+            return tc.partial_list_calls(self._open, body, self._names)
+        start = body.strip()[:1]
+        if start == "<":
+            return tc.partial_xml_calls(body, self._schemas)
+        if start not in ("{", "[", ""):
+            return tc.partial_glm_call(body, self._schemas)
+        return partial_json_calls(body, self._names)
 
     def _trailing_calls(self, buf: str) -> list[Piece]:
         """Calls run to the end of the output: ones that do not parse were cut short there."""
@@ -252,6 +354,10 @@ class OutputParser:
             calls = parse_mistral_calls(buf, self._names)
         elif prefix in (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALL_BEGIN):
             calls = parse_deepseek_calls(prefix + buf, self._names)
+        elif prefix == tc.FUNCTIONARY_OPEN:
+            calls = tc.parse_functionary_calls(buf, self._names)
+        elif prefix == tc.GRANITE_OPEN:
+            calls = tc.parse_list_calls(prefix, buf, self._names)
         else:
             calls = parse_json_calls(buf, self._names)
         if calls:
@@ -267,4 +373,8 @@ class OutputParser:
             return partial_mistral_calls(buf, self._names)
         if prefix in (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALL_BEGIN):
             return partial_deepseek_calls(prefix + buf, self._names)
+        if prefix == tc.FUNCTIONARY_OPEN:
+            return tc.partial_functionary_calls(buf, self._names)
+        if prefix == tc.GRANITE_OPEN:
+            return tc.partial_list_calls(prefix, buf, self._names)
         return partial_json_calls(buf, self._names)

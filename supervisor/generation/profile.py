@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from formats.chat_templates import CHATML_FALLBACK
-from supervisor.generation.grammar import DEEPSEEK_CALLS_BEGIN, ToolStyle
+from supervisor.generation import tagged_calls as tc
+from supervisor.generation.grammar import DEEPSEEK_CALLS_BEGIN
+from supervisor.generation.tagged_grammar import CallStyle
 from worker.protocol import ModelFacts
 
 ToolSupport = Literal["native", "unlisted", "none"]
@@ -61,7 +63,7 @@ class TemplateProfile:
     # Template variables that take the request's reasoning effort.
     effort_var: str | None = None
     toggle_var: str | None = None
-    tool_style: ToolStyle = "hermes"
+    tool_style: CallStyle = "hermes"
     tool_support: ToolSupport = "native"
     # False for a template that refuses a system message (Gemma 2, Mistral v0.1):
     # text for the system prompt then goes at the start of the first user turn.
@@ -99,12 +101,31 @@ def _harmony(template: str) -> bool:
     return "<|channel|>" in template and "<|message|>" in template
 
 
-def _call_format(template: str) -> ToolStyle | None:
+# Markup only one family's template writes, checked before the shared ones
+# (Qwen3-Coder and GLM 4.5 write <tool_call> too, Functionary Llama 3's headers).
+_OWN_MARKUP: tuple[tuple[str, CallStyle], ...] = (
+    # "<function=" alone is also Functionary v3.1's ``<function=NAME>{json}``.
+    ("<parameter=", "qwen3_coder"),
+    ("<arg_key>", "glm45"),
+    (tc.KIMI_SECTION_OPEN, "kimi_k2"),
+    # Kimi K2's first template declares tools this way but never renders a call.
+    ("<|im_system|>tool_declare<|im_middle|>", "kimi_k2"),
+    (tc.FUNCTIONARY_OPEN + "all", "functionary_v32"),
+    (tc.R7B_OPEN, "command_r7b"),
+    (tc.GRANITE_OPEN, "granite"),
+    (tc.NEMOTRON_OPEN, "nemotron"),
+)
+
+
+def _call_format(template: str) -> CallStyle | None:
     """The call format the template's markup shows, if any."""
     if _harmony(template):
         return "harmony"
     if DEEPSEEK_CALLS_BEGIN in template:
         return "deepseek"
+    for markup, style in _OWN_MARKUP:
+        if markup in template:
+            return style
     if "[TOOL_CALLS]" in template:
         # Mistral's newer tokenizers write ``[TOOL_CALLS]name[ARGS]{...}``.
         return "mistral_args" if "[ARGS]" in template else "mistral"
@@ -115,7 +136,7 @@ def _call_format(template: str) -> ToolStyle | None:
     return None
 
 
-def _tool_support(template: str, style: ToolStyle | None) -> ToolSupport:
+def _tool_support(template: str, style: CallStyle | None) -> ToolSupport:
     if _LISTS_TOOLS.search(template):
         return "native"  # a tool list with no known markup keeps the Hermes default, as before
     return "unlisted" if style is not None else "none"
@@ -137,7 +158,8 @@ def profile_for(template: str | None) -> TemplateProfile:
     toggle = "enable_thinking" if "enable_thinking" in template else None
     effort = "reasoning_effort" if "reasoning_effort" in template else None
     # A harmony model reasons on its analysis channel.
-    thinks = "<think>" in template or "</think>" in template or toggle is not None or _harmony(template)
+    thinks = ("<think>" in template or "</think>" in template or toggle is not None or _harmony(template)
+              or tc.R7B_THINKING[0] in template)
     style = _call_format(template)
     return TemplateProfile(
         thinks=thinks,

@@ -19,7 +19,6 @@ from formats.schema_keywords import Backend
 from supervisor.errors import ApiError, BadRequest, ModelNotFound, Unavailable
 from supervisor.generation.generic_calls import offer_in_prompt
 from supervisor.generation.generic_parse import GenericParser
-from supervisor.generation.grammar import tool_call_grammar
 from supervisor.generation.harmony import HarmonyParser
 from supervisor.generation.images import require_vision
 from supervisor.generation.lark_calls import LARK_STYLES, lark_tool_grammar
@@ -27,6 +26,7 @@ from supervisor.generation.output_format import enforce_format
 from supervisor.generation.parse import OutputParser
 from supervisor.generation.pieces import Piece, StreamParser, ToolCall
 from supervisor.generation.profile import TemplateProfile, served_profile
+from supervisor.generation.tagged_grammar import forced_call_grammar
 from supervisor.generation.template_vars import merged_vars
 from supervisor.generation.sampling import asked_fields
 from supervisor.generation.tool_schemas import checked_tools
@@ -94,6 +94,8 @@ class Plan:
     template_vars: dict[str, Any] = field(default_factory=dict)
     profile: TemplateProfile = field(default_factory=TemplateProfile)
     tool_names: frozenset[str] = frozenset()
+    # Each offered tool's JSON schema of arguments: the XML formats type values by it.
+    tool_schemas: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     # A grammar forces JSON: a leading "{" is the answer, not a tool call.
     json_output: bool = False
     # Offered name -> (namespace, name) of each namespaced function.
@@ -141,6 +143,8 @@ class Plan:
             tool_names=tool_names,
             bare_json_calls=not self.json_output,
             forced=self.forced_call,
+            style=self.profile.tool_style,
+            schemas=self.tool_schemas,
         )
 
 
@@ -217,14 +221,15 @@ def _constrain_calls(
                 params.grammar = lark_tool_grammar(checked, style=profile.tool_style, parallel=several,
                                                    prefix=prefix)
             else:
-                params.grammar = tool_call_grammar([(t.name, t.parameters) for t in chosen],
-                                                   style=profile.tool_style, parallel=several, prefix=prefix)
+                params.grammar = forced_call_grammar([(t.name, t.parameters) for t in chosen],
+                                                     style=profile.tool_style, parallel=several, prefix=prefix)
         except SchemaError as exc:
             raise BadRequest(f"a tool's parameters cannot be enforced: {exc}", param="tools",
                              code="invalid_grammar") from exc
         params.json_schema, params.json_object = None, False
-    elif tools and choice == "auto" and not parallel and profile.tool_style == "hermes":
-        # One call at most: stop at the end of the first; the parser closes it.
+    elif tools and choice == "auto" and not parallel and profile.tool_style in ("hermes", "qwen3_coder"):
+        # One call at most: stop at the end of the first; the parser closes it. (Not
+        # GLM 4.5's: only its closing tag tells its last argument from one cut short.)
         params.stop = [*params.stop, "</tool_call>"]
 
 
@@ -258,6 +263,7 @@ def tool_plan(
         template_vars=template_vars or {},
         profile=profile,
         tool_names=frozenset(t.name for t in tools) if use_tools else frozenset(),
+        tool_schemas={t.name: t.parameters for t in tools} if use_tools else {},
         json_output=(params.json_schema is not None or params.json_object) and params.grammar is None,
         namespaces=(namespaces or {}) if use_tools else {},
         forced_name=_forced_name(tools, choice) if params.grammar is not None else None,
