@@ -253,13 +253,16 @@ class FinetuneParams(JobParams, DeviceChoice):
     # it is served on its base model as ``<base>:<output>-lora``.
     export_adapter: bool = False
 
-    def resolve(self, ctx: ResolveContext) -> None:
+    def resolve(self, ctx: ResolveContext, *, data: bool = True) -> None:
+        """``data`` false: leave ``train`` unchecked (a memory estimate
+        before the user picked the data; nothing runs on it)."""
         missing = missing_train_modules()
         if missing:
             raise ParamError(train_missing_reason("finetune", missing), param="kind",
                              code="train_extra_missing")
         self.model = resolve_hf_model(self.model, ctx, "params.model")
-        self.train = str(existing_file(self.train, ctx.roots.datasets, ctx.roots, "params.train"))
+        if data:
+            self.train = str(existing_file(self.train, ctx.roots.datasets, ctx.roots, "params.train"))
         if self.eval is not None:
             self.eval = str(existing_file(self.eval, ctx.roots.datasets, ctx.roots, "params.eval"))
         self.output_name = check_output_dir(self.output_name, ctx, self.overwrite, "params.output_name")

@@ -24,7 +24,7 @@ from aiohttp import web
 from jobs.errors import ParamError
 from jobs.kinds import validate_params
 from jobs.params import ModelLookup, ResolveContext, Roots
-from supervisor.api import datasets, user_view
+from supervisor.api import datasets, job_estimate, user_view
 from supervisor.api.auth import key_id_of, request_scope
 from supervisor.api.io import (
     SseWriter,
@@ -79,6 +79,7 @@ class SubmitBody(msgspec.Struct, forbid_unknown_fields=True):
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/jobs", submit_job)
     app.router.add_get("/api/jobs", list_jobs)
+    job_estimate.add_routes(app)
     app.router.add_get("/api/jobs/{id}", get_job)
     app.router.add_get("/api/jobs/{id}/events", job_events)
     app.router.add_get("/api/jobs/{id}/log", job_log)

@@ -22,6 +22,7 @@ import msgspec
 from aiohttp import web
 
 from jobs.kinds import job_kinds
+from supervisor.api.job_estimate import EstimateBody
 from supervisor.api.jobs import CancelBody, SubmitBody
 from supervisor.api.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
 from supervisor.appkeys import OPENAPI_DOCUMENT
@@ -130,6 +131,9 @@ ROUTES: tuple[Operation, ...] = (
         _q("cursor", _STR, "`next_cursor` of the previous page."),
     ), errors=(400,)),
     Operation("GET", "/api/jobs/schema", "JSON Schema of each job kind's params", "jobs"),
+    Operation("POST", "/api/jobs/estimate", "A fine-tune's memory per device and whether it fits, before submit "
+              "(a submission's body; `train` may be left out; nothing is queued)", "jobs",
+              body=EstimateBody, errors=(400, 413)),
     Operation("GET", "/api/jobs/{id}", "One job", "jobs", errors=(404,), path_descriptions=_JOB_ID),
     Operation("DELETE", "/api/jobs/{id}", "Delete a finished job and its events", "jobs",
               errors=(404, 409), path_descriptions=_JOB_ID),

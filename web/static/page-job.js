@@ -3,6 +3,7 @@
 import { connection, cpuOnly, del, getJson, getText, leaseDevices, postJson } from './api.js';
 import { lineChart, lossSeries } from './chart.js';
 import { badge, errorBox, formatBytes, formatDuration, formatNumber, formatTime, h, progressBar, replace } from './dom.js';
+import { listedModelLink } from './listed-model.js';
 import { FIELD_LABELS } from './schema.js';
 import { EventStream } from './sse.js';
 
@@ -107,7 +108,7 @@ function tryItButton(r) {
 }
 
 // A person's reading of the result: what came out, and where to go next.
-export function resultSummary(job) {
+export function resultSummary(job, checks = new Map()) {
   const r = job.result || {};
   const lines = [];
   const next = [];
@@ -141,7 +142,8 @@ export function resultSummary(job) {
     lines.push(['Repository', r.repo_id], ['Files', `${files.length} (${formatBytes(files.reduce((n, f) => n + (f.size || 0), 0))})`],
       ['Downloaded', formatBytes(r.bytes_downloaded)]);
     if (r.bytes_reused) lines.push(['Already there', formatBytes(r.bytes_reused)]);
-    if (r.model_id) { lines.push(['Model', h('code', { text: r.model_id })]); next.push(chatLink(r.model_id)); }
+    // Linked only once /v1/models lists it: a download is not yet a served model.
+    if (r.model_id) { lines.push(['Model', h('code', { text: r.model_id })]); next.push(listedModelLink(r.model_id, r.repo_id, chatLink, checks)); }
   } else if (job.kind === 'finetune') {
     if (r.output_dir) lines.push(['Output', h('code', { text: r.output_dir })]);
     if (r.adapter_path) lines.push(['Adapter', h('code', { text: base(r.adapter_path) })]);
@@ -219,6 +221,7 @@ export function mount(root, [jobId]) {
   let deviceIds = []; // the lease's devices, once read
   const events = []; // progress/metric events with numbers, for the chart
   let latest = {}; // the latest progress data
+  const listChecks = new Map(); // whether /v1/models lists a result's model, asked once per page
 
   function renderActions() {
     const buttons = [];
@@ -294,7 +297,7 @@ export function mount(root, [jobId]) {
         job.exit_code !== null ? [h('dt', { text: 'Exit code' }), h('dd', { text: String(job.exit_code) })] : null));
     if (job.result) {
       resultCard.hidden = false;
-      replace(resultCard, h('h2', { text: 'Result' }), resultSummary(job),
+      replace(resultCard, h('h2', { text: 'Result' }), resultSummary(job, listChecks),
         h('details', { class: 'raw-result' }, h('summary', { text: 'Raw result (JSON)' }), h('pre', { class: 'json', text: JSON.stringify(job.result, null, 2) })));
     }
     replace(paramsCard, h('h2', { text: 'Parameters' }), h('dl', { class: 'facts params' }, paramFacts(job.params, deviceIds)));

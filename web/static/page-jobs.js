@@ -3,6 +3,7 @@
 import { cpuOnly, getJson, hasRoute, leaseDevices, postJson, uploadDataset } from './api.js';
 import { badge, errorBox, formatAgo, formatBytes, formatDuration, h, progressBar, replace, stackTable } from './dom.js';
 import { renderPreview, previewRows } from './dataset-preview.js';
+import { attachEstimate } from './finetune-estimate.js';
 import { SchemaForm } from './form.js';
 import { poll } from './poll.js';
 import { PRIORITY_FIELD, fieldText, isTestKind, jobKinds } from './schema.js';
@@ -184,6 +185,9 @@ function submitPanel(kinds, onCreated, query) {
     showTrain();
     const renameHost = h('div');
     form.el.querySelector('.actions').before(renameHost);
+    // What the fine-tune needs per GPU, asked again as the settings change.
+    // Above "More options", in sight of the fields first filled in.
+    if (kind.kind === 'finetune' && kind.available !== false) (form.moreEl || renameHost).before(attachEstimate(form));
     const label = `Submit ${kind.kind} job`;
 
     async function submitJob(params, priority) {
