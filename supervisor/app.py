@@ -26,6 +26,7 @@ from supervisor.api import jobs as routes_jobs
 from supervisor.api import models as routes_models
 from supervisor.api import openai as routes_openai
 from supervisor.api import responses as routes_responses
+from supervisor.responses.hosted.settings import HostedSettings
 from supervisor.api import web as routes_web
 from supervisor.api.io import answer_and_close, error_response, json_response
 from supervisor.appkeys import (
@@ -278,7 +279,12 @@ def build_app(cfg: Config) -> web.Application:
                            engine_check_ctx])
     # After the contexts that provide the database and the pool.
     routes_responses.setup(app, retention_s=cfg.responses_retention_days * 86400,
-                           keepalive_s=cfg.responses_keepalive_s)
+                           keepalive_s=cfg.responses_keepalive_s, hosted=HostedSettings(
+                               mcp_allowed_urls=tuple(cfg.mcp_allowed_urls),
+                               max_iterations=cfg.hosted_max_iterations,
+                               call_timeout_s=cfg.hosted_call_timeout_s,
+                               total_timeout_s=cfg.hosted_total_timeout_s,
+                               suppress_duplicates=cfg.hosted_suppress_duplicates))
     app.cleanup_ctx.extend([auth.keys_ctx, metrics.observe_ctx])
     app.on_response_prepare.extend([logs.add_request_id, auth.security_headers])
     app.on_shutdown.append(shutdown.drain)

@@ -260,6 +260,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Responses API: stored responses are kept this long (0 = forever).
     responses_retention_days: float = 30.0
     responses_keepalive_s: float = 10.0
+    # Hosted tools (supervisor/responses/hosted/): URL prefixes of the MCP
+    # servers responses may call (empty: mcp tools are refused), and the
+    # tool loop's limits (Studio's: 25 rounds, 300 s a call).
+    mcp_allowed_urls: list[str] = []
+    hosted_max_iterations: Annotated[int, msgspec.Meta(ge=1)] = 25
+    hosted_call_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 300.0
+    hosted_total_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 1800.0
+    hosted_suppress_duplicates: bool = True
     # Lab: jobs and the GPU lease
     datasets_dir: str = ""
     outputs_dir: str = ""

@@ -202,7 +202,6 @@ HOSTED: list[dict[str, Any]] = [
     {"type": "file_search", "vector_store_ids": ["vs_1"]},
     {"type": "code_interpreter", "container": {"type": "auto"}},
     {"type": "image_generation"},
-    {"type": "mcp", "server_label": "none", "server_url": "http://127.0.0.1:9/mcp"},
     {"type": "local_shell"},
 ]
 

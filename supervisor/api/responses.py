@@ -19,6 +19,7 @@ from supervisor.appkeys import RESPONSES
 from supervisor.errors import BadRequest
 from supervisor.responses.background import DEFAULT_PRUNE_INTERVAL_S, DEFAULT_RETENTION_S
 from supervisor.responses.events import Event
+from supervisor.responses.hosted.settings import HostedSettings
 from supervisor.responses.lifecycle import ResponsesApi
 from supervisor.responses.models import CreateRequest, validate
 from supervisor.responses.service import DEFAULT_KEEPALIVE_S, ResponsesService, ResponseStream
@@ -195,11 +196,13 @@ def setup(
     retention_s: float = DEFAULT_RETENTION_S,
     prune_interval_s: float = DEFAULT_PRUNE_INTERVAL_S,
     keepalive_s: float = DEFAULT_KEEPALIVE_S,
+    hosted: HostedSettings | None = None,
 ) -> ResponsesApi:
     """Add the routes, the ``RESPONSES`` state and its cleanup context, which
     starts after the database and the pool (add it after their contexts) and
     stops, cancelling background responses, before them."""
-    api = ResponsesApi(retention_s=retention_s, prune_interval_s=prune_interval_s, keepalive_s=keepalive_s)
+    api = ResponsesApi(retention_s=retention_s, prune_interval_s=prune_interval_s, keepalive_s=keepalive_s,
+                       hosted=hosted)
     app[RESPONSES] = api
     add_routes(app)
     app.cleanup_ctx.append(api.context)

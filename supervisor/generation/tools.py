@@ -37,6 +37,28 @@ class NamespaceTool(msgspec.Struct, tag="namespace", tag_field="type", kw_only=T
     tools: list[FunctionTool]
 
 
+class McpToolFilter(msgspec.Struct, kw_only=True):
+    tool_names: list[str] | None = None
+    read_only: bool | None = None
+
+
+class McpTool(msgspec.Struct, tag="mcp", tag_field="type", kw_only=True):
+    """A remote MCP server whose tools the server itself calls, when an admin
+    allows its URL (supervisor/responses/hosted/); never offered as is."""
+
+    server_label: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    server_url: str | None = None
+    connector_id: str | None = None
+    tunnel_id: str | None = None
+    allowed_tools: list[str] | McpToolFilter | None = None
+    headers: dict[str, str] | None = None
+    authorization: str | None = None
+    require_approval: Literal["always", "never"] | dict[str, Any] | None = None
+    server_description: str | None = None
+    defer_loading: bool | None = None
+    allowed_callers: list[str] | None = None
+
+
 class HostedTool(msgspec.Struct):
     """A tool OpenAI runs on its side (search, code, images, MCP, shells...).
 
@@ -58,12 +80,12 @@ def _hosted_struct(tool_type: str) -> type[HostedTool]:
     return cast(type[HostedTool], msgspec.defstruct(name, [], bases=(HostedTool,), tag=tool_type, tag_field="type"))
 
 
-_HOSTED_STRUCTS = tuple(_hosted_struct(t) for t in HOSTED_TOOL_TYPES)
+_HOSTED_STRUCTS = tuple(_hosted_struct(t) for t in HOSTED_TOOL_TYPES if t != "mcp")
 
 if TYPE_CHECKING:
-    RequestTool = FunctionTool | NamespaceTool | HostedTool
+    RequestTool = FunctionTool | NamespaceTool | McpTool | HostedTool
 else:
-    RequestTool = Union[(FunctionTool, NamespaceTool, *_HOSTED_STRUCTS)]
+    RequestTool = Union[(FunctionTool, NamespaceTool, McpTool, *_HOSTED_STRUCTS)]
 
 
 class NamedFunction(msgspec.Struct, tag="function", tag_field="type"):
@@ -77,7 +99,27 @@ class AllowedTools(msgspec.Struct, tag="allowed_tools", tag_field="type", kw_onl
     tools: list[dict[str, Any]]
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedFunction | AllowedTools
+class HostedChoice(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A tool_choice naming a hosted tool (``{"type": "mcp", "server_label": ...}``,
+    ``{"type": "web_search"}``): only ``mcp`` runs here (responses/hosted/)."""
+
+    server_label: str | None = None
+    name: str | None = None
+
+    @property
+    def kind(self) -> str:
+        return str(self.__struct_config__.tag)
+
+
+_HOSTED_CHOICES = tuple(
+    cast(type[HostedChoice], msgspec.defstruct("Choice" + "".join(p.capitalize() for p in t.split("_")), [],
+                                               bases=(HostedChoice,), tag=t, tag_field="type"))
+    for t in HOSTED_TOOL_TYPES)
+
+if TYPE_CHECKING:
+    ToolChoice = Literal["none", "auto", "required"] | NamedFunction | AllowedTools | HostedChoice
+else:
+    ToolChoice = Union[(Literal["none", "auto", "required"], NamedFunction, AllowedTools, *_HOSTED_CHOICES)]
 # What the planner takes, once allowed_tools has narrowed the offered tools.
 PlanChoice = Literal["none", "auto", "required"] | NamedFunction
 
@@ -174,6 +216,12 @@ def resolve(functions: list[FunctionTool], choice: ToolChoice, *,
             namespaces: dict[str, tuple[str, str]] | None = None, param: str = "tool_choice") -> Offer:
     """What ``choice`` offers among ``functions``; ``param`` names the choice in errors."""
     namespaces = namespaces or {}
+    if isinstance(choice, HostedChoice):
+        if choice.kind == "mcp":
+            raise BadRequest("tool_choice names an MCP server, but tools has no mcp tool", param=param)
+        raise BadRequest(f"tool_choice {choice.kind!r}: the hosted {choice.kind} tool is not enabled on this "
+                         "server (of the hosted tools, only mcp runs here)", param=f"{param}.type",
+                         code="hosted_tool_unavailable")
     if isinstance(choice, AllowedTools):
         return _narrow(functions, namespaces, choice, param)
     if isinstance(choice, NamedFunction):

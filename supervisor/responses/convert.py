@@ -19,6 +19,8 @@ from supervisor.responses.items import (
     FunctionCallOutputItem,
     InputImage,
     Item,
+    McpCallItem,
+    McpListToolsItem,
     MessageItem,
     ReasoningItem,
     image_data,
@@ -83,6 +85,15 @@ class _Turns:
             )
         self.messages.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id, name=name))
 
+    def add_hosted_call(self, item: McpCallItem) -> None:
+        """A call the server ran: the assistant's call, then its result, as for a function."""
+        msg = self._assistant()
+        self._take_reasoning(msg)
+        call = {"id": item.id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+        msg.tool_calls = [*(msg.tool_calls or []), call]
+        self.messages.append(ChatMessage(role="tool", content=item.result_text(), tool_call_id=item.id,
+                                         name=item.name))
+
     def add_reasoning(self, item: ReasoningItem) -> None:
         self._pending_reasoning.append(item.text())
 
@@ -112,6 +123,10 @@ def to_messages(
                 turns.add_output(item, param)
             case ReasoningItem():
                 turns.add_reasoning(item)
+            case McpCallItem():
+                turns.add_hosted_call(item)
+            case McpListToolsItem():
+                pass  # the tools it lists are offered as functions, not rendered as a turn
     return _system_first(turns.messages)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import msgspec
 
@@ -54,6 +54,19 @@ class Event(NamedTuple):
     data: bytes
 
 
+class HostedCalls(Protocol):
+    """Calls the server runs itself (responses/hosted/): their items, and
+    whether some wait to run, which holds the terminal event back."""
+
+    pending: list[Any]
+
+    def owns(self, name: str) -> bool: ...
+
+    def call_item(self, call: ToolCall) -> Any: ...
+
+    def take_pending(self) -> list[Any]: ...
+
+
 class EventBuilder:
     """Builds output items and events for one response."""
 
@@ -68,6 +81,26 @@ class EventBuilder:
         self._created = False
         # Pre-encoded head and tail of the open item's delta events (hot path).
         self._delta_frame: tuple[str, bytes, bytes] = ("", b"", b"")
+        self.hosted: HostedCalls | None = None
+        # Usage of the generations before this one (a hosted tool loop runs several).
+        self._usage_before: Usage | None = None
+
+    def event(self, type_: str, **fields: Any) -> Event:
+        """One event of this response's sequence (the hosted loop's own)."""
+        return self._event(type_, **fields)
+
+    def add_item(self, item: Item) -> int:
+        """Append an output item; its output_index."""
+        self.response.output.append(item)
+        return self._index
+
+    def _total(self, usage: Usage | None) -> Usage | None:
+        before = self._usage_before
+        if before is None or usage is None:
+            return usage or before
+        return Usage.of(before.input_tokens + usage.input_tokens, before.output_tokens + usage.output_tokens,
+                        before.input_tokens_details.cached_tokens + usage.input_tokens_details.cached_tokens,
+                        before.output_tokens_details.reasoning_tokens + usage.output_tokens_details.reasoning_tokens)
 
     def _event(self, type_: str, **fields: Any) -> Event:
         payload = {"type": type_, "sequence_number": self._seq, **fields}
@@ -107,14 +140,25 @@ class EventBuilder:
                     logprobs = None
                 case ToolCall():
                     out += self._close()
-                    out += self._call(piece)
+                    if self.hosted is not None and self.hosted.owns(piece.name):
+                        out += self._hosted_call(piece)
+                    else:
+                        out += self._call(piece)
         return out
 
     def completed(self, usage: Usage, *, truncated: bool, timed_out: bool = False) -> list[Event]:
         """The terminal event: ``truncated`` by the token limit, or by the
         time limit too when ``timed_out`` (request_timeout_s)."""
+        total = self._total(usage)
+        assert total is not None
+        usage = total
+        if not truncated and self.hosted is not None and self.hosted.pending:
+            # Calls wait to run: the loop generates again, so no terminal event yet.
+            out = self._close()
+            self.response.usage = self._usage_before = usage
+            return out
         status: Literal["completed", "incomplete"] = "incomplete" if truncated else "completed"
-        out = self._close(item_status="incomplete" if truncated else "completed")
+        out = self._close(item_status="incomplete" if truncated else "completed") + self._unrun()
         self.response.usage = usage
         self.response.status = status
         if truncated:
@@ -124,11 +168,20 @@ class EventBuilder:
         self.response.completed_at = int(self._clock())
         return out + [self._event("response.completed", response=self.response)]
 
+    def _unrun(self) -> list[Event]:
+        """The hosted calls a response ends with before they ran: incomplete."""
+        out: list[Event] = []
+        for item in self.hosted.take_pending() if self.hosted is not None else []:
+            item.status = "incomplete"
+            index = self.response.output.index(item)
+            out.append(self._event("response.output_item.done", output_index=index, item=item))
+        return out
+
     def failed(self, code: str, message: str, usage: Usage | None = None) -> list[Event]:
-        out = self._close(item_status="incomplete")
+        out = self._close(item_status="incomplete") + self._unrun()
         self.response.status = "failed"
         self.response.error = ErrorInfo.of(code, message)
-        self.response.usage = usage
+        self.response.usage = self._total(usage)
         return out + [self._event("response.failed", response=self.response)]
 
     def cancelled(self) -> None:
@@ -204,6 +257,21 @@ class EventBuilder:
         item.status = item_status
         out.append(self._event("response.content_part.done", part=part, **common))
         out.append(self._event("response.output_item.done", output_index=self._index, item=item))
+        return out
+
+    def _hosted_call(self, call: ToolCall) -> list[Event]:
+        """A call the server runs: its item stays in progress until the loop ran it."""
+        assert self.hosted is not None
+        item = self.hosted.call_item(call)
+        index = self.add_item(item)
+        common = {"item_id": item.id, "output_index": index}
+        out = [
+            self._event("response.output_item.added", output_index=index, item=msgspec.structs.replace(item)),
+            self._event("response.mcp_call_arguments.delta", delta=call.arguments, **common),
+            self._event("response.mcp_call_arguments.done", arguments=call.arguments, **common),
+        ]
+        if not call.complete:
+            out.append(self._event("response.output_item.done", output_index=index, item=item))
         return out
 
     def _call(self, call: ToolCall) -> list[Event]:

@@ -124,13 +124,55 @@ class ReasoningItem(msgspec.Struct, tag="reasoning", tag_field="type", kw_only=T
         return "".join(part.text for part in parts)
 
 
-Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+class McpToolInfo(msgspec.Struct, kw_only=True):
+    """One tool an MCP server lists, as the SDK's ``McpListToolsTool``."""
+
+    name: str
+    input_schema: Any
+    description: str | None = None
+    annotations: Any = None
+
+
+class McpListToolsItem(msgspec.Struct, tag="mcp_list_tools", tag_field="type", kw_only=True):
+    """The tools an MCP server offered (supervisor/responses/hosted/)."""
+
+    server_label: str
+    tools: list[McpToolInfo]
+    error: str | None = None
+    id: str = ""
+
+
+class McpCallItem(msgspec.Struct, tag="mcp_call", tag_field="type", kw_only=True):
+    """A call the server ran on an MCP server, with its output or error.
+    ``error`` is one of the SDK's ``McpToolCallError`` shapes."""
+
+    server_label: str
+    name: str
+    arguments: str
+    output: str | None = None
+    error: dict[str, Any] | None = None
+    status: Literal["in_progress", "completed", "incomplete", "calling", "failed"] = "completed"
+    approval_request_id: str | None = None
+    id: str = ""
+
+    def result_text(self) -> str:
+        """What the model reads back: the output, else what went wrong."""
+        if self.output is not None:
+            return self.output
+        if self.error is not None:
+            return f"error: {self.error.get('message') or self.error.get('content') or self.error}"
+        return "error: the call did not finish"
+
+
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | McpListToolsItem | McpCallItem
 
 _ID_PREFIX: dict[type[Any], str] = {
     MessageItem: "msg",
     FunctionCallItem: "fc",
     FunctionCallOutputItem: "fco",
     ReasoningItem: "rs",
+    McpListToolsItem: "mcpl",
+    McpCallItem: "mcp",
 }
 
 

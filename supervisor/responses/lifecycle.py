@@ -21,6 +21,7 @@ from supervisor.responses.background import (
     DEFAULT_RETENTION_S,
     BackgroundTasks,
 )
+from supervisor.responses.hosted.settings import HostedSettings
 from supervisor.responses.runner import GenerationPool
 from supervisor.responses.service import DEFAULT_KEEPALIVE_S, ResponsesService
 from supervisor.responses.store import ResponseStore
@@ -34,7 +35,9 @@ class ResponsesApi:
         prune_interval_s: float = DEFAULT_PRUNE_INTERVAL_S,
         keepalive_s: float = DEFAULT_KEEPALIVE_S,
         clock: Callable[[], float] = time.time,
+        hosted: HostedSettings | None = None,
     ) -> None:
+        self.hosted = hosted
         self.retention_s = retention_s
         self.prune_interval_s = prune_interval_s
         self.keepalive_s = keepalive_s
@@ -54,7 +57,8 @@ class ResponsesApi:
             store, retention_s=self.retention_s, prune_interval_s=self.prune_interval_s, clock=self._clock
         )
         await background.start()
-        self._service = ResponsesService(pool, store, background, keepalive_s=self.keepalive_s, clock=self._clock)
+        self._service = ResponsesService(pool, store, background, keepalive_s=self.keepalive_s, clock=self._clock,
+                                         hosted=self.hosted)
 
     async def stop(self) -> None:
         if self._service is not None:

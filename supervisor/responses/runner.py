@@ -341,6 +341,7 @@ async def run(
     raise_early: bool = False,
     admitted: Outputs | None = None,
     halt: Callable[[], ApiError | None] | None = None,
+    started: bool = False,
 ) -> AsyncGenerator[Event, None]:
     """Yield every event of the response, ending with one terminal event.
 
@@ -349,9 +350,10 @@ async def run(
     answer 404/503/400, instead of producing a failed response. ``admitted``
     is a generation the caller already queued (to refuse it as HTTP).
     ``halt``, asked after each output's events, stops the generation with
-    the error it returns: the response fails with it.
+    the error it returns: the response fails with it. ``started``: the
+    response's first events were sent already (a hosted tool loop's next generation).
     """
-    for event in builder.start():
+    for event in [] if started else builder.start():
         yield event
     parser = plan.parser()
     text_logprobs = TextLogprobs() if plan.params.logprobs is not None else None

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
+
+from supervisor.generation.tools import PlanChoice
 from supervisor.errors import (
     ApiError,
     BadRequest,
@@ -43,6 +47,9 @@ from supervisor.responses.runner import (
     plan,
     run,
 )
+from supervisor.responses.hosted.loop import ToolLoop
+from supervisor.responses.hosted.session import HostedSession, mcp_tools, open_session, refuse_early
+from supervisor.responses.hosted.settings import HostedSettings
 from supervisor.responses.store import ResponseStore
 from supervisor.workers.crash_keys import CrashCooldown
 
@@ -72,8 +79,10 @@ class ResponsesService:
         *,
         keepalive_s: float = DEFAULT_KEEPALIVE_S,
         clock: Callable[[], float] = time.time,
+        hosted: HostedSettings | None = None,
     ) -> None:
         self.pool = pool
+        self.hosted = hosted or HostedSettings()
         self.store = store
         self.background = background
         self.keepalive_s = keepalive_s
@@ -148,15 +157,39 @@ class ResponsesService:
         ``owner``: the API key id creating it (None: the admin, or auth off)."""
         history = await self._history(valid.body, owner)
         resp = new_response(valid.body, self._clock(), "in_progress")
+        valid, session = await self._hosted(valid, history)
         generation, outputs = await self._generation(valid, history, resp.id, self.keepalive_s)
-        return ResponseStream(self._events(resp, valid, generation, outputs, owner), outputs)
+        return ResponseStream(self._events(resp, valid, generation, outputs, owner, history, session), outputs)
+
+    # ------------------------------------------------------- hosted tools
+
+    async def _hosted(self, valid: ValidRequest, history: list[Item]) -> tuple[ValidRequest, HostedSession | None]:
+        """The request with its hosted tools listed and offered (responses/hosted/), if it has any."""
+        if not mcp_tools(valid):
+            return valid, None
+        return await open_session(valid, history, self.hosted)
+
+    def _generated(self, resp: ResponseObject, valid: ValidRequest, history: list[Item], generation: Plan,
+                   outputs: Outputs, session: HostedSession | None, builder: EventBuilder,
+                   halt: Callable[[], ApiError | None] | None = None) -> AsyncGenerator[Event, None]:
+        """The events of the response: one generation, or a hosted tool loop of several."""
+        if session is None:
+            return run(self.pool, resp.model, generation, builder, request_id=resp.id, admitted=outputs, halt=halt)
+
+        async def next_generation(output: list[Item], choice: PlanChoice) -> tuple[Plan, Outputs]:
+            later = msgspec.structs.replace(valid, items=[*valid.items, *output],
+                                            offer=dataclasses.replace(valid.offer, choice=choice))
+            return await self._generation(later, history, resp.id, None)
+
+        return ToolLoop(session).events(self.pool, resp.model, builder, (generation, outputs), next_generation,
+                                        request_id=resp.id, halt=halt)
 
     async def _events(
-        self, resp: ResponseObject, valid: ValidRequest, generation: Plan, outputs: Outputs, owner: str | None
+        self, resp: ResponseObject, valid: ValidRequest, generation: Plan, outputs: Outputs, owner: str | None,
+        history: list[Item], session: HostedSession | None,
     ) -> AsyncGenerator[Event, None]:
         builder = EventBuilder(resp, self._clock)
-        async for event in run(self.pool, resp.model, generation, builder, request_id=resp.id,
-                               admitted=outputs):
+        async for event in self._generated(resp, valid, history, generation, outputs, session, builder):
             if event.type in TERMINAL_EVENTS:
                 await self._save(resp, valid, owner)
             yield event
@@ -166,6 +199,7 @@ class ResponsesService:
         history = await self._history(valid.body, owner)
         resp = new_response(valid.body, self._clock(), "in_progress")
         builder = EventBuilder(resp, self._clock)
+        valid, session = await self._hosted(valid, history)
         try:
             generation, outputs = await self._generation(valid, history, resp.id, None)
         except (ModelNotFound, Unavailable, BadRequest, CrashCooldown):
@@ -176,9 +210,13 @@ class ResponsesService:
             builder.failed(exc.code or "server_error", exc.message)
             await self._save(resp, valid, owner)
             return resp
-        async for _ in run(self.pool, resp.model, generation, builder, request_id=resp.id, raise_early=True,
-                           admitted=outputs):
-            pass
+        if session is not None:
+            async for _ in self._generated(resp, valid, history, generation, outputs, session, builder):
+                pass
+        else:
+            async for _ in run(self.pool, resp.model, generation, builder, request_id=resp.id, raise_early=True,
+                               admitted=outputs):
+                pass
         await self._save(resp, valid, owner)
         return resp
 
@@ -188,6 +226,7 @@ class ResponsesService:
         history = await self._history(valid.body, owner)
         # Reject a bad conversation (e.g. an output for an unknown call) now, as a 400.
         to_messages(history, valid.items, valid.body.instructions)
+        refuse_early(valid, self.hosted)
         self.background.check_capacity()
         resp = new_response(valid.body, self._clock(), "queued")
         builder = EventBuilder(resp, self._clock)
@@ -245,13 +284,14 @@ class ResponsesService:
     async def _generate_into(self, log: LiveEvents, resp: ResponseObject, valid: ValidRequest,
                              history: list[Item], builder: EventBuilder) -> None:
         try:
+            valid, session = await self._hosted(valid, history)
             generation, outputs = await self._generation(valid, history, resp.id, None)
         except ApiError as exc:
             await log.add(builder.start())
             await log.add(builder.failed(exc.code or "server_error", exc.message))
             return
-        async for event in run(self.pool, resp.model, generation, builder, request_id=resp.id, admitted=outputs,
-                               halt=log.refusal):
+        async for event in self._generated(resp, valid, history, generation, outputs, session, builder,
+                                           halt=log.refusal):
             await log.add([event])
 
     async def follow(self, response_id: str, after: int, scope: str | None = None) -> ResponseStream:

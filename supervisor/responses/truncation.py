@@ -23,6 +23,8 @@ from supervisor.responses.items import (
     FunctionCallItem,
     FunctionCallOutputItem,
     Item,
+    McpCallItem,
+    McpListToolsItem,
     MessageItem,
     ReasoningItem,
 )
@@ -43,6 +45,10 @@ def _text(item: Item) -> str:
             return item.text()
         case FunctionCallItem():
             return item.offered_name + item.arguments
+        case McpCallItem():
+            return item.name + item.arguments + item.result_text()
+        case McpListToolsItem():
+            return ""
 
 
 def without_oldest(history: list[Item], items: list[Item], n: int) -> tuple[list[Item], list[Item]]:

@@ -1,0 +1,135 @@
+"""The hosted-tool loop: generate, run the calls, generate again.
+
+One response, several generations. The first runs as any other (its
+events, then the calls it made to hosted tools: ``mcp_call`` items, in
+progress). Then each call runs (``response.mcp_call.in_progress``, then
+``completed`` or ``failed``), its result goes back to the model with the
+conversation so far, and the next generation starts, until one ends
+without a hosted call. Limits end it cleanly: after ``max_iterations``
+generations with calls, or once the calls took ``total_timeout_s``, the
+model is told that the budget is spent and answers with no tools offered.
+A cancelled response (the client left, a background cancel) cancels the
+call running at that moment: the call is an await of this generator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+from supervisor.errors import ApiError
+from supervisor.generation.tools import PlanChoice
+from supervisor.responses.events import Event, EventBuilder
+from supervisor.responses.hosted.session import HostedSession, parsed_arguments
+from supervisor.responses.items import Item, McpCallItem, MessageItem, normalize
+from supervisor.responses.runner import GenerationPool, Outputs, Plan, run
+
+# Plan and queue the next generation of the response, given the output so far.
+NextGeneration = Callable[[list[Item], PlanChoice], Awaitable[tuple[Plan, Outputs]]]
+
+BUDGET_NOTE = ("The tool budget of this response is spent ({why}). Do not call tools any more: "
+               "answer now from the tool results above.")
+
+
+class ToolLoop:
+    def __init__(self, session: HostedSession, clock: Callable[[], float] = time.monotonic) -> None:
+        self.session = session
+        self._clock = clock
+        self._spent_s = 0.0
+        self._results: dict[tuple[str, str, str], McpCallItem] = {}
+
+    async def events(self, pool: GenerationPool, model: str, builder: EventBuilder, first: tuple[Plan, Outputs],
+                     generate: NextGeneration, *, request_id: str = "",
+                     halt: Callable[[], ApiError | None] | None = None) -> AsyncGenerator[Event, None]:
+        """Every event of the response, ending with one terminal event."""
+        builder.hosted = self.session
+        for event in builder.start():
+            yield event
+        for listing in self.session.listings():
+            for event in self._listed(builder, listing):
+                yield event
+        plan, outputs = first
+        iterations = 0
+        while True:
+            async for event in run(pool, model, plan, builder, request_id=request_id, admitted=outputs,
+                                   halt=halt, started=True):
+                yield event
+            if builder.response.terminal:
+                return
+            for call in self.session.take_pending():
+                async for event in self._run_call(builder, call):
+                    yield event
+            iterations += 1
+            why = self._budget_spent(iterations)
+            extra: list[Item] = []
+            if why is not None:
+                extra.append(normalize(MessageItem(role="developer", content=BUDGET_NOTE.format(why=why))))
+            try:
+                plan, outputs = await generate([*builder.response.output, *extra],
+                                               "none" if why is not None else "auto")
+            except ApiError as exc:
+                for event in builder.failed(exc.code or "server_error", exc.message):
+                    yield event
+                return
+
+    def _budget_spent(self, iterations: int) -> str | None:
+        settings = self.session.settings
+        if iterations >= settings.max_iterations:
+            return f"{settings.max_iterations} rounds of tool calls"
+        if self._spent_s >= settings.total_timeout_s:
+            return f"{settings.total_timeout_s:g} s of tool calls"
+        return None
+
+    @staticmethod
+    def _listed(builder: EventBuilder, item: Any) -> list[Event]:
+        index = builder.add_item(item)
+        common = {"item_id": item.id, "output_index": index}
+        state = "failed" if item.error else "completed"
+        return [
+            builder.event("response.output_item.added", output_index=index, item=item),
+            builder.event("response.mcp_list_tools.in_progress", **common),
+            builder.event(f"response.mcp_list_tools.{state}", **common),
+            builder.event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    async def _run_call(self, builder: EventBuilder, call: McpCallItem) -> AsyncGenerator[Event, None]:
+        index = builder.response.output.index(call)
+        common = {"item_id": call.id, "output_index": index}
+        yield builder.event("response.mcp_call.in_progress", **common)
+        try:
+            await self._result(call)
+        except asyncio.CancelledError:
+            # The response was cancelled (or its client left) while the call ran.
+            call.status = "incomplete"
+            raise
+        call.status = "failed" if call.error is not None else "completed"
+        yield builder.event(f"response.mcp_call.{call.status}", **common)
+        yield builder.event("response.output_item.done", output_index=index, item=call)
+
+    async def _result(self, call: McpCallItem) -> None:
+        """Run ``call`` (or take an earlier identical call's result) into its item."""
+        settings = self.session.settings
+        key = (call.server_label, call.name, call.arguments)
+        earlier = self._results.get(key) if settings.suppress_duplicates else None
+        if earlier is not None:
+            call.output, call.error = earlier.output, earlier.error
+            return
+        arguments = parsed_arguments(call)
+        if arguments is None:
+            call.error = {"type": "mcp_protocol_error", "code": -32602,
+                          "message": "the arguments are not a JSON object"}
+            return
+        server = self.session.servers[call.server_label].server
+        limit = min(settings.call_timeout_s, max(0.0, settings.total_timeout_s - self._spent_s))
+        started = self._clock()
+        try:
+            result = await asyncio.wait_for(server.call(call.name, arguments), limit)
+            call.output, call.error = result.output, result.error
+        except TimeoutError:
+            call.error = {"type": "http_error", "code": 504,
+                          "message": f"the call took longer than {limit:g} s and was stopped"}
+        finally:
+            self._spent_s += self._clock() - started
+        self._results[key] = call

@@ -1,0 +1,229 @@
+"""One response's MCP servers: checked, listed and offered as functions.
+
+:func:`open_session` runs before the first generation: it refuses what
+this server does not do (approval flows, connectors) or may not reach
+(the allowlist) with a 400 naming the tool, lists each server's tools
+(or reuses an ``mcp_list_tools`` item the conversation already holds) and
+returns the request with those tools offered beside its functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from supervisor.errors import ApiError, BadRequest
+from supervisor.generation.pieces import ToolCall
+from supervisor.generation.tools import (
+    AllowedTools,
+    FunctionTool,
+    HostedChoice,
+    McpTool,
+    McpToolFilter,
+    NamedFunction,
+    ToolChoice,
+    offer,
+    resolve,
+)
+from supervisor.responses.hosted.addresses import checked_server_url, url_problem
+from supervisor.responses.hosted.mcp_client import McpFailed, McpServer
+from supervisor.responses.hosted.settings import HostedSettings
+from supervisor.responses.items import Item, McpCallItem, McpListToolsItem, McpToolInfo, new_id
+from supervisor.responses.models import ValidRequest
+
+
+class McpListFailed(ApiError):
+    """An MCP server's tools could not be listed (424, as OpenAI answers)."""
+
+    status = 424
+    type = "external_connector_error"
+    code = "mcp_list_tools_failed"
+
+
+@dataclass
+class ServerTools:
+    server: McpServer
+    tools: list[McpToolInfo]
+    # The listing made for this response (None: reused from the conversation).
+    listed: McpListToolsItem | None = None
+
+
+@dataclass
+class HostedSession:
+    """The hosted tools of one response, and the calls the model made to them."""
+
+    settings: HostedSettings
+    servers: dict[str, ServerTools] = field(default_factory=dict)
+    # Offered function name -> its server's label.
+    owners: dict[str, str] = field(default_factory=dict)
+    pending: list[McpCallItem] = field(default_factory=list)
+
+    def owns(self, name: str) -> bool:
+        return name in self.owners
+
+    def call_item(self, call: ToolCall) -> McpCallItem:
+        """The output item of a call the model made; a complete one waits to run."""
+        item = McpCallItem(server_label=self.owners[call.name], name=call.name, arguments=call.arguments,
+                           id=new_id("mcp"), status="in_progress" if call.complete else "incomplete")
+        if call.complete:
+            self.pending.append(item)
+        return item
+
+    def take_pending(self) -> list[McpCallItem]:
+        calls, self.pending = self.pending, []
+        return calls
+
+    def functions(self) -> list[FunctionTool]:
+        return [FunctionTool(name=t.name, description=t.description, parameters=_parameters(t.input_schema))
+                for s in self.servers.values() for t in s.tools]
+
+    def listings(self) -> list[McpListToolsItem]:
+        return [s.listed for s in self.servers.values() if s.listed is not None]
+
+
+def _parameters(schema: Any) -> dict[str, Any]:
+    return schema if isinstance(schema, dict) else {"type": "object", "properties": {}}
+
+
+def mcp_tools(valid: ValidRequest) -> list[tuple[int, McpTool]]:
+    return [(i, t) for i, t in enumerate(valid.body.tools) if isinstance(t, McpTool)]
+
+
+def _headers(tool: McpTool) -> dict[str, str]:
+    headers = dict(tool.headers or {})
+    if tool.authorization:
+        headers["Authorization"] = f"Bearer {tool.authorization}"
+    return headers
+
+
+def _allowed(tool: McpTool, tools: list[McpToolInfo]) -> list[McpToolInfo]:
+    match tool.allowed_tools:
+        case None:
+            return tools
+        case list() as names:
+            return [t for t in tools if t.name in names]
+        case McpToolFilter(tool_names=names, read_only=read_only):
+            return [t for t in tools if (names is None or t.name in names) and (
+                read_only is None or bool((t.annotations or {}).get("readOnlyHint")) == read_only)]
+    return tools
+
+
+def _refuse(tool: McpTool, i: int, settings: HostedSettings) -> None:
+    """The 400s that need no network: what this server does not do."""
+    name = f"tools[{i}]"
+    if not settings.mcp_enabled:
+        raise BadRequest(f"mcp tool {name} ({tool.server_label!r}): MCP tools are off on this server "
+                         "(an admin enables them by listing server URLs in mcp_allowed_urls)",
+                         param=f"{name}.server_url", code="mcp_url_refused")
+    if tool.connector_id is not None or tool.tunnel_id is not None:
+        raise BadRequest(f"mcp tool {name}: connectors and tunnels are not available here; give a server_url",
+                         param=f"{name}.connector_id" if tool.connector_id else f"{name}.tunnel_id")
+    if tool.server_url is None:
+        raise BadRequest(f"mcp tool {name} needs a server_url", param=f"{name}.server_url")
+    if tool.require_approval != "never":
+        raise BadRequest(f"mcp tool {name}: only require_approval \"never\" is supported here (approval "
+                         "requests are not); set it to run the server's tools without asking",
+                         param=f"{name}.require_approval")
+
+
+def refuse_early(valid: ValidRequest, settings: HostedSettings) -> None:
+    """The checks of :func:`open_session` that need no network (a background
+    request answers them as a 400 before it is queued)."""
+    for i, tool in mcp_tools(valid):
+        _refuse(tool, i, settings)
+        problem = url_problem(tool.server_url or "", settings.mcp_allowed_urls)
+        if problem is not None:
+            raise BadRequest(f"mcp tool tools[{i}]: {problem}", param=f"tools[{i}].server_url",
+                             code="mcp_url_refused")
+
+
+def _listed_before(items: list[Item], label: str) -> McpListToolsItem | None:
+    found = [it for it in items if isinstance(it, McpListToolsItem) and it.server_label == label
+             and it.error is None]
+    return found[-1] if found else None
+
+
+async def _list(server: McpServer, index: int) -> list[McpToolInfo]:
+    try:
+        return await asyncio.wait_for(server.list_tools(), server.timeout_s)
+    except TimeoutError as exc:
+        raise McpListFailed(f"listing the tools of MCP server {server.label!r} (tools[{index}]) took longer "
+                            f"than {server.timeout_s:g} s", param=f"tools[{index}].server_url") from exc
+    except McpFailed as exc:
+        raise McpListFailed(f"cannot list the tools of MCP server {server.label!r} (tools[{index}]): {exc}",
+                            param=f"tools[{index}].server_url") from exc
+
+
+async def open_session(valid: ValidRequest, history: list[Item],
+                       settings: HostedSettings) -> tuple[ValidRequest, HostedSession]:
+    """The request with its MCP servers' tools offered, and the session
+    that runs their calls. Raises BadRequest / McpListFailed."""
+    session = HostedSession(settings)
+    entries = mcp_tools(valid)
+    labels: set[str] = set()
+    for i, tool in entries:
+        _refuse(tool, i, settings)
+        if tool.server_label in labels:
+            raise BadRequest(f"duplicate mcp server_label {tool.server_label!r}", param=f"tools[{i}].server_label")
+        labels.add(tool.server_label)
+        assert tool.server_url is not None
+        await checked_server_url(tool.server_url, settings.mcp_allowed_urls, f"tools[{i}].server_url")
+    for i, tool in entries:
+        assert tool.server_url is not None
+        server = McpServer(tool.server_label, tool.server_url, _headers(tool), settings.mcp_allowed_urls,
+                           settings.call_timeout_s)
+        before = _listed_before([*history, *valid.items], tool.server_label)
+        listed = None
+        if before is None:
+            # The listing shows what the model is offered: the allowed tools.
+            listed = McpListToolsItem(server_label=tool.server_label, tools=_allowed(tool, await _list(server, i)),
+                                      id=new_id("mcpl"))
+        tools = listed.tools if listed is not None else _allowed(tool, before.tools if before else [])
+        session.servers[tool.server_label] = ServerTools(server, tools, listed)
+    return _with_offer(valid, session), session
+
+
+def _with_offer(valid: ValidRequest, session: HostedSession) -> ValidRequest:
+    base = offer(valid.body.tools, "auto")
+    taken = {fn.name for fn in base.functions}
+    for label, server in session.servers.items():
+        for tool in server.tools:
+            if tool.name in taken:
+                raise BadRequest(f"tool name {tool.name!r} of MCP server {label!r} is offered twice; narrow "
+                                 "it away with allowed_tools", param="tools")
+            taken.add(tool.name)
+            session.owners[tool.name] = label
+    offered = resolve([*base.functions, *session.functions()], _choice(valid.body.tool_choice, session),
+                      namespaces=base.namespaces)
+    return msgspec.structs.replace(valid, offer=offered)
+
+
+def _choice(choice: ToolChoice, session: HostedSession) -> ToolChoice:
+    """An ``mcp`` tool_choice in function terms: its one tool, else any tool of its server."""
+    if not isinstance(choice, HostedChoice) or choice.kind != "mcp":
+        return choice
+    label = choice.server_label
+    if label not in session.servers:
+        raise BadRequest(f"tool_choice names MCP server {label!r}, which is not in tools",
+                         param="tool_choice.server_label")
+    names = [t.name for t in session.servers[label].tools]
+    if choice.name is not None:
+        if choice.name not in names:
+            raise BadRequest(f"tool_choice names {choice.name!r}, which MCP server {label!r} does not offer",
+                             param="tool_choice.name")
+        return NamedFunction(choice.name)
+    if not names:
+        raise BadRequest(f"MCP server {label!r} offers no tools to choose", param="tool_choice.server_label")
+    return AllowedTools(mode="required", tools=[{"type": "function", "name": n} for n in names])
+
+
+def parsed_arguments(call: McpCallItem) -> dict[str, Any] | None:
+    try:
+        value = json.loads(call.arguments or "{}")
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
