@@ -35,9 +35,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The test extra: pytest, the OpenAI clients the tests drive, playwright,
-# schemathesis, pyarrow.
+# schemathesis, pyarrow; and the cluster extra (Ray), which
+# tests/test_ray_cluster.py runs a local cluster with.
 $(TEST_STAMP): $(STAMP)
-	$(EDITABLE) $(PY) -m pip install --quiet -e '.[test]'
+	$(EDITABLE) $(PY) -m pip install --quiet -e '.[test,cluster]'
 	touch $(TEST_STAMP)
 
 # The train extra (torch, transformers, peft) for finetune jobs.

@@ -200,6 +200,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # socket in the run dir) or "tcp:HOST" (a free port on HOST per worker
     # start, for workers on other machines: docs/cluster.md).
     worker_listen: str = ""
+    # A Ray cluster to run the workers on ("" = this machine only): the
+    # parent joins it as a driver (docs/cluster.md); needs worker_listen = "tcp:HOST".
+    ray_address: str = ""
     ping_interval: float = 2.0
     ping_timeout: float = 10.0
     kill_grace: float = 5.0
@@ -331,7 +334,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.max_loaded_models < 1:
             raise ValueError("max_loaded_models must be at least 1")
         parse_duration(self.keep_alive)
-        Endpoint.parse(self.worker_listen)
+        if Endpoint.parse(self.worker_listen).transport != "tcp" and self.ray_address:
+            raise ValueError('ray_address needs worker_listen = "tcp:HOST": workers on other nodes dial back over TCP')
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError("log_level must be debug, info, warning or error")
         for model_id, own in self.model_defaults.items():

@@ -51,6 +51,26 @@ def modules(package: str) -> list[str]:
     return names
 
 
+def test_ray_is_imported_only_with_a_cluster_configured() -> None:
+    # The Ray launcher is part of the pool; it imports Ray when it first joins a cluster.
+    out = _python("import json, sys\n"
+                  "import supervisor.app, supervisor.workers.pool, supervisor.workers.ray_launcher\n"
+                  "print(json.dumps('ray' in sys.modules))")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) is False
+
+
+def test_the_node_agent_imports_none_of_the_service() -> None:
+    # It runs in a Ray worker on every node: small process helpers only.
+    out = _python("import json, sys\n"
+                  "import supervisor.workers.node_agent\n"
+                  "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+                  "('aiohttp', 'aiosqlite', 'ray', 'xllamacpp', 'huggingface_hub', 'jinja2', 'numpy') "
+                  "or m in ('supervisor.app', 'supervisor.workers.pool', 'supervisor.workers.handle'))))")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
+
+
 def test_the_parent_imports_no_engine() -> None:
     out = _python("import json, sys\n"
                   "import supervisor.app, supervisor.cli\n"

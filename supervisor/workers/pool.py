@@ -46,6 +46,7 @@ from supervisor.workers.handle import WorkerHandle, WorkerState
 from supervisor.workers.crash_keys import KeyCrashes, crash_counts
 from supervisor.workers.poison import PoisonTracker
 from supervisor.workers.queue import Pending, WorkerGone
+from supervisor.workers.ray_launcher import launcher_for
 from supervisor.workers.replies import Generation, as_api_error
 from supervisor.workers.room import Room, holds_memory
 from supervisor.workers.spec import Timing
@@ -73,6 +74,7 @@ class PoolConfig(Protocol):
     model_defaults: dict[str, ModelSettings]
     vllm_python: str  # the Python of the vLLM environment ("" = none)
     worker_listen: str  # where workers dial back (supervisor/workers/connection.py)
+    ray_address: str  # a Ray cluster to start the workers on ("" = here): ray_launcher.py
     # The runaway guard: output tokens of a request that sets no limit (0 =
     # none), and seconds a request may run once its worker took it (0 = no limit).
     default_max_tokens: int
@@ -118,6 +120,8 @@ class WorkerPool:
         # Where each worker was placed, and why (shown in /api/models).
         self.placements: dict[tuple[str, bool], GpuPlacement] = {}
         self.bookings = bookings
+        # Where workers start: here (None: the handle's local launcher) or on a Ray cluster.
+        self.launcher = launcher_for(cfg.ray_address, log_dir)
         self.room = Room(cfg, self.handles, self.fits, self._drop, self._changed, gpus=gpus,
                          placements=self.placements)
         # Observers of finished generations (metrics): called with (model, Done).
@@ -214,7 +218,7 @@ class WorkerPool:
                                       vllm_python=self.cfg.vllm_python)
         handle = WorkerHandle(spec, self.timing, self.run_dir, self.log_dir, self.cfg.queue_limit, self._clock,
                               queue_timeout=self.cfg.queue_timeout_s,
-                              endpoint=Endpoint.parse(self.cfg.worker_listen))
+                              launcher=self.launcher, endpoint=Endpoint.parse(self.cfg.worker_listen))
         handle.keep_alive = parse_duration(settings.keep_alive or 0)
         handle.enable_thinking = settings.enable_thinking
         handle.crash_counts = lambda in_flight: crash_counts(self.poison, self.crash_keys, model_id, in_flight)

@@ -1,0 +1,132 @@
+"""The node agent: what runs on a cluster node to start the parent's workers there.
+
+One ``NodeAgent`` runs per node as a Ray actor the parent creates, pinned
+to that node and booking no CPU (supervisor/workers/ray_launcher.py). It is
+the node's half of a ``Started``: it starts ``python -m worker`` with the
+command line the parent built (launcher.worker_argv), in its own session
+and process group, with the allowlisted environment of this node plus the
+parent's pinned devices, its output appended to a log on this node; it
+holds the worker's stdin (the secret is the first line, and the agent's
+end, when the parent's driver dies and Ray ends its actors, ends the
+worker), and it signals, measures and reaps the worker on the parent's
+word.
+
+This module runs in a Ray worker process on the node: it imports only the
+small process helpers the local launcher uses too (stdlib, psutil,
+msgspec), never the parent's service modules, and it does not import Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.lab.job_process import child_environ
+from supervisor.workers.crash import log_size, read_log_tail
+from supervisor.workers.launcher import _open_log, _rss, kill_group_leftovers
+from worker import protocol as p
+
+# Workers one agent keeps track of at once; a parent asks for one per model
+# spawn and reaps it, so more means a parent that forgets to clean up.
+MAX_CHILDREN = 64
+
+
+@dataclass
+class _Child:
+    proc: asyncio.subprocess.Process
+    log_path: Path
+    log_start: int
+    engine_socket: Path
+
+
+class UnknownWorker(LookupError):
+    """A pid this agent did not start (or already cleaned up)."""
+
+
+class NodeAgent:
+    """Starts and tends the parent's worker processes on this node."""
+
+    def __init__(self, state_dir: str = "") -> None:
+        # Node-local files: the engine sockets and the worker logs. A short
+        # path by default: Unix socket paths are limited to ~108 bytes.
+        base = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="gpuvisor-node-"))
+        self.run_dir = base / "run"
+        self.log_dir = base / "logs"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._children: dict[int, _Child] = {}
+
+    async def where(self) -> dict[str, str | int]:
+        """This agent's process and its node-local directories."""
+        return {"pid": os.getpid(), "run_dir": str(self.run_dir), "log_dir": str(self.log_dir),
+                "host": os.uname().nodename}
+
+    async def start(self, argv: list[str], extra_env: dict[str, str], secret: bytes, log_name: str,
+                    own_python: bool) -> int:
+        """Start a worker; its pid. ``own_python``: run it with this node's
+        interpreter (the parent's path may not exist here)."""
+        if len(self._children) >= MAX_CHILDREN:
+            raise RuntimeError(f"this node agent tends {MAX_CHILDREN} workers already")
+        if Path(log_name).name != log_name or not log_name:
+            raise ValueError(f"a log name, not a path: {log_name!r}")
+        args = [sys.executable, *argv[1:]] if own_python else list(argv)
+        env = child_environ(os.environ)  # an allowlist: no token of this node reaches a worker
+        env.update(extra_env)
+        log_path = self.log_dir / log_name
+        log_start = log_size(log_path)
+        with _open_log(log_path) as logfile:
+            proc = await asyncio.create_subprocess_exec(
+                *args, stdin=asyncio.subprocess.PIPE, stdout=logfile, stderr=logfile,
+                start_new_session=True, env=env)
+        assert proc.stdin is not None
+        proc.stdin.write(p.secret_line(secret))
+        self._children[proc.pid] = _Child(proc, log_path, log_start, _engine_socket(argv))
+        return proc.pid
+
+    async def wait(self, pid: int) -> int:
+        """The worker's exit status, once it exits."""
+        return await self._child(pid).proc.wait()
+
+    async def status(self, pid: int) -> tuple[int | None, int]:
+        """The worker's exit status (None while it runs) and resident bytes."""
+        child = self._child(pid)
+        return child.proc.returncode, _rss(pid) if child.proc.returncode is None else 0
+
+    async def kill(self, pid: int, sig: int) -> None:
+        child = self._child(pid)
+        if child.proc.returncode is None:
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                pass  # already gone: nothing to kill
+
+    async def log_tail(self, pid: int) -> str:
+        child = self._child(pid)
+        return read_log_tail(child.log_path, child.log_start)
+
+    async def cleanup(self, pid: int) -> None:
+        """After its exit: end what is left of its group and forget it."""
+        child = self._children.pop(pid, None)
+        if child is None:
+            return
+        kill_group_leftovers(pid)
+        child.engine_socket.unlink(missing_ok=True)
+
+    def _child(self, pid: int) -> _Child:
+        try:
+            return self._children[pid]
+        except KeyError:
+            raise UnknownWorker(f"no worker with pid {pid} on this node") from None
+
+
+def _engine_socket(argv: list[str]) -> Path:
+    """The engine's socket named on the worker's command line, which a
+    killed engine leaves behind."""
+    try:
+        return Path(argv[argv.index("--engine-socket") + 1])
+    except (ValueError, IndexError):
+        raise ValueError("the worker's command line names no --engine-socket") from None

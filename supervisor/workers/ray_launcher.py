@@ -1,0 +1,287 @@
+"""Workers on the nodes of a Ray cluster: the ``RayLauncher``.
+
+With ``ray_address`` set, the parent joins the cluster as a driver (Ray is
+imported then, and only then) and starts each worker through the node
+agent of the node it picks (supervisor/workers/node_agent.py): one agent
+per node, a Ray actor pinned there with ``NodeAffinitySchedulingStrategy``
+and no CPU booked. The parent creates the agents and so owns them (they are
+not detached): when the parent dies, Ray ends its agents, the agents' ends
+of the workers' stdin close, and the workers exit. The worker dials back to
+the parent's listener over TCP (``worker_listen = "tcp:HOST"``) and proves
+the spawn's secret there, as on one machine.
+
+Placement, for now: the first alive node (in the order the cluster lists
+them) whose logical GPUs (``ray start --num-gpus``) number at least the
+worker's GPUs, and at least one: a node started with ``--num-gpus=0`` (a
+head that serves nothing) gets no worker. The lease still books this
+machine's device ids; devices named by node are the next step
+(docs/cluster.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from supervisor.workers.crash import worker_log_path
+from supervisor.workers.launcher import Launcher, worker_argv, worker_environ
+from supervisor.workers.spec import Timing, WorkerSpec
+
+log = logging.getLogger("gpuvisor.worker")
+
+# How often the parent reads a remote worker's memory (load progress).
+RSS_POLL_S = 0.25
+# Bounds on calls to an agent that should answer at once; an agent that
+# does not is on a node that is gone or stuck.
+AGENT_CALL_TIMEOUT = 30.0
+# The exit status reported when the agent (its node) is gone: its workers
+# lost their stdin and were SIGKILLed or exited.
+GONE_STATUS = -signal.SIGKILL
+# How long a start waits for the parent to join the cluster.
+JOIN_TIMEOUT = 60.0
+# The signals the service stops and reloads on (supervisor/service/serving.py).
+SERVICE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class ClusterError(OSError):
+    """The cluster could not place or start a worker (the handle retries)."""
+
+
+@dataclass
+class _Agent:
+    node_id: str
+    actor: Any  # a Ray actor handle: Ray's types stay out of the parent's imports
+    run_dir: Path
+    pid: int
+
+
+def launcher_for(ray_address: str, log_dir: Path) -> Launcher | None:
+    """The launcher the setting asks for: None (the local one) without a cluster."""
+    return RayLauncher(ray_address, log_dir) if ray_address else None
+
+
+class RayLauncher:
+    def __init__(self, address: str, log_dir: Path) -> None:
+        self.address = address
+        self.log_dir = log_dir
+        self._ray: Any = None
+        self._joining: asyncio.Future[Any] | None = None
+        self._agents: dict[str, _Agent] = {}
+        self._lock = asyncio.Lock()
+
+    def log_path(self, spec: WorkerSpec) -> Path:
+        # The worker's log lives on its node; its lines come back with a crash.
+        return worker_log_path(self.log_dir, spec.model_id, spec.embedding)
+
+    async def start(self, spec: WorkerSpec, timing: Timing, address: list[str], secret: bytes,
+                    stem: str) -> RayProcess:
+        if "--tcp" not in address:
+            raise ClusterError('workers on cluster nodes dial back over TCP: set worker_listen = "tcp:HOST"')
+        async with self._lock:
+            agent = await self._agent(_gpus_needed(spec))
+        engine_socket = agent.run_dir / f"{stem}.e.sock"
+        argv = worker_argv(spec, timing, address, engine_socket)
+        log_name = self.log_path(spec).name
+        try:
+            pid: int = await _bounded(agent.actor.start.remote(argv, worker_environ(spec), secret, log_name,
+                                                              not spec.python))
+        except ClusterError:
+            self._forget(agent)
+            raise
+        log.info("worker %s started on node %s (pid %d, agent pid %d)", spec.model_id, agent.node_id[:12],
+                 pid, agent.pid)
+        return RayProcess(agent, pid, self._ray, lambda: self._forget(agent))
+
+    def _forget(self, agent: _Agent) -> None:
+        """A lost agent: the next start on its node makes a new one."""
+        if self._agents.get(agent.node_id) is agent:
+            del self._agents[agent.node_id]
+
+    async def _connect(self) -> Any:
+        """Ray, joined to the cluster. The join runs in a thread, once: a
+        cluster that does not answer keeps Ray retrying for minutes, and the
+        service must go on serving meanwhile."""
+        if self._joining is None:
+            # ray.init may set its own SIGTERM handler (sys.exit, mid-loop) and
+            # Ray's native crash handler; the service's own handlers must stay,
+            # or a stop skips the service's shutdown.
+            handlers = {sig: signal.getsignal(sig) for sig in SERVICE_SIGNALS}
+            self._joining = _in_daemon_thread(self._join)
+            self._joining.add_done_callback(lambda _: _restore(handlers))
+        try:
+            async with asyncio.timeout(JOIN_TIMEOUT):
+                return await asyncio.shield(self._joining)
+        except TimeoutError as exc:
+            raise ClusterError(f"no answer from the Ray cluster at {self.address} within {JOIN_TIMEOUT:g}s "
+                               "(still trying)") from exc
+        except ClusterError:
+            self._joining = None  # the next start tries again
+            raise
+
+    def _join(self) -> Any:
+        import ray  # only with a cluster configured: the parent imports no Ray otherwise
+
+        try:
+            # The workers' output stays in their logs on their nodes.
+            ray.init(address=self.address, namespace="gpuvisor", log_to_driver=False,
+                     configure_logging=False, ignore_reinit_error=True)
+        except Exception as exc:
+            raise ClusterError(f"cannot join the Ray cluster at {self.address}: {exc}") from exc
+        self._ray = ray
+        return ray
+
+    async def _agent(self, gpus: int) -> _Agent:
+        ray = await self._connect()
+        node_id = _pick_node(await _bounded(_in_daemon_thread(ray.nodes)), gpus)
+        agent = self._agents.get(node_id)
+        if agent is not None:
+            return agent
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from supervisor.workers.node_agent import NodeAgent
+
+        actor = ray.remote(NodeAgent).options(
+            num_cpus=0, max_restarts=0, max_concurrency=1000,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+        where = await _bounded(actor.where.remote())
+        agent = self._agents[node_id] = _Agent(node_id, actor, Path(str(where["run_dir"])), int(where["pid"]))
+        log.info("node agent on %s (%s): pid %d", node_id[:12], where["host"], agent.pid)
+        return agent
+
+
+class RayProcess:
+    """A worker process on a cluster node, tended by that node's agent."""
+
+    def __init__(self, agent: _Agent, pid: int, ray: Any, on_agent_lost: Callable[[], None]) -> None:
+        self._agent = agent
+        self._on_agent_lost = on_agent_lost
+        self._pid = pid
+        self._ray = ray
+        self._returncode: int | None = None
+        self._rss = 0
+        self._tail = ""
+        self._agent_lost = False
+        self._exited = asyncio.Event()
+        self._watch = asyncio.create_task(self._follow(), name=f"ray-worker:{pid}")
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._returncode
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self._returncode is not None
+        return self._returncode
+
+    def kill(self, sig: int) -> None:
+        if self._returncode is None:
+            # Fire and forget: the exit comes back through wait().
+            self._agent.actor.kill.remote(self._pid, sig)
+
+    def rss(self) -> int:
+        return self._rss
+
+    def log_tail(self) -> str:
+        return self._tail
+
+    def cleanup(self) -> None:
+        self._watch.cancel()
+        if self._returncode is not None and not self._agent_lost:
+            self._agent.actor.cleanup.remote(self._pid)
+
+    async def _follow(self) -> None:
+        """Read the worker's memory until it exits, then its exit status and its log's tail."""
+        exit_ref = self._agent.actor.wait.remote(self._pid)
+        code: int = GONE_STATUS
+        try:
+            done = asyncio.ensure_future(exit_ref)
+            while not done.done():
+                try:
+                    _, self._rss = await _bounded(self._agent.actor.status.remote(self._pid))
+                except ClusterError:
+                    pass  # the exit, or the agent's loss, comes through ``done``
+                await asyncio.wait({done}, timeout=RSS_POLL_S)
+            code = int(done.result())
+            self._tail = await _bounded(self._agent.actor.log_tail.remote(self._pid))
+        except (ClusterError, self._ray.exceptions.RayError) as exc:
+            # The agent died (its node left, or Ray ended it): its workers lost their stdin.
+            self._tail = self._tail or f"the node agent on {self._agent.node_id[:12]} is gone: {exc}"
+            self._agent_lost = True
+            self._on_agent_lost()
+            log.warning("worker pid %d: %s", self._pid, self._tail)
+        finally:
+            self._rss = 0
+            self._returncode = code
+            self._exited.set()
+
+
+def _in_daemon_thread(call: Callable[[], Any]) -> asyncio.Future[Any]:
+    """``call()`` in a thread of its own, as a future of this loop. A daemon
+    thread: a Ray call that hangs (a cluster gone) must not hold up the exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return  # nobody waits any more (the loop's caller gave up)
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = call()
+        except Exception as exc:
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits for this call any more
+
+    threading.Thread(target=run, name="ray-call", daemon=True).start()
+    return future
+
+
+def _restore(handlers: dict[signal.Signals, Any]) -> None:
+    """Put back the signal handlers the service had (on the loop's thread, the main one)."""
+    for sig, handler in handlers.items():
+        if handler is not None:  # None: set outside Python, nothing to put back
+            signal.signal(sig, handler)
+
+
+def _gpus_needed(spec: WorkerSpec) -> int:
+    return max(1, len(spec.gpu_indices or ()))
+
+
+def _pick_node(nodes: list[dict[str, Any]], gpus: int) -> str:
+    """The first alive node with at least ``gpus`` logical GPUs."""
+    for node in nodes:
+        if node.get("Alive") and float(node.get("Resources", {}).get("GPU", 0)) >= gpus:
+            return str(node["NodeID"])
+    alive = sum(1 for n in nodes if n.get("Alive"))
+    raise ClusterError(f"no alive node of the cluster ({alive} alive) has {gpus} GPU{'s' if gpus > 1 else ''}")
+
+
+async def _bounded(ref: Any) -> Any:
+    """Await a call to an agent, within AGENT_CALL_TIMEOUT; ClusterError when it fails or is late."""
+    try:
+        async with asyncio.timeout(AGENT_CALL_TIMEOUT):
+            return await ref
+    except TimeoutError as exc:
+        raise ClusterError(f"the node agent did not answer within {AGENT_CALL_TIMEOUT:g}s") from exc
+    except Exception as exc:
+        if isinstance(exc, ClusterError):
+            raise
+        raise ClusterError(f"the node agent failed: {type(exc).__name__}: {exc}") from exc
