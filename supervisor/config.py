@@ -283,6 +283,27 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_upload_bytes: int = 1 << 30
     # For tests only: offer the test-only job kinds (``sleep``) in the API.
     test_job_kinds: bool = False
+    # Hosted tool code_interpreter (supervisor/sandbox/): off until enabled;
+    # enabled, the service refuses to start the tool (with the reason) where
+    # the sandbox cannot be made. Limits per run: CPU seconds, address space,
+    # wall clock, the largest file, processes and threads, open files.
+    code_interpreter: bool = False
+    code_interpreter_cpu_s: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 30
+    code_interpreter_memory_mib: Annotated[int, msgspec.Meta(ge=64, le=1 << 20)] = 1024
+    code_interpreter_wall_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 60.0
+    code_interpreter_file_mib: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 64
+    code_interpreter_processes: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 32
+    code_interpreter_open_files: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 256
+    # Containers: how many at once, seconds idle before one (and its folder)
+    # is removed, and where their folders live ("" = <state_dir>/containers).
+    code_interpreter_max_containers: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 16
+    code_interpreter_idle_s: Annotated[float, msgspec.Meta(gt=0.0)] = 1200.0
+    code_interpreter_dir: str = ""
+    # The Python that runs the code ("" = the service's own); a service
+    # running as root runs it as this uid and gid (nobody by default).
+    code_interpreter_python: str = ""
+    code_interpreter_uid: Annotated[int, msgspec.Meta(ge=1)] = 65534
+    code_interpreter_gid: Annotated[int, msgspec.Meta(ge=1)] = 65534
     # Running as a service: auth, proxies, logs (supervisor/auth.py, proxies.py, logs.py)
     admin_token: str = ""  # plain, or a scrypt$ hash from `gpuvisor keys admin-token`
     api_keys: list[str] = []  # "NAME:ID:scrypt$..." from `gpuvisor keys add NAME --print-config`

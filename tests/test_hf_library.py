@@ -297,3 +297,30 @@ def test_server_lists_hf_models_with_their_engine(tiny_model_path: Path,
     # Loading it is refused with the reason, nothing is started.
     r = httpx.post(srv.base_url + "/api/models/org/Tiny-HF/load", timeout=10)
     assert r.status_code == 503 and "make install-vllm" in r.json()["error"]["message"]
+
+
+def test_a_hub_cache_snapshot_is_an_hf_model(tmp_path: Path) -> None:
+    from tests.tiny_hf import put_in_hub_cache
+
+    cache = tmp_path / "hub"
+    put_in_hub_cache(write_model(tmp_path / "src", shards=2), cache, "org/Tiny-HF", commit="d" * 40)
+    # A safetensors repo whose file links out of the cache: unusable, with the reason.
+    snap = put_in_hub_cache(write_model(tmp_path / "src2"), cache, "org/Escape")
+    outside = write_safetensors(tmp_path / "outside.safetensors", tensors(CONFIG))
+    (snap / "model.safetensors").unlink()
+    (snap / "model.safetensors").symlink_to(outside)
+    lib = ModelLibrary([tmp_path / "missing"], hf_cache_dir=cache, settle_s=0, vllm_python=sys.executable)
+    lib.rescan()
+    got = {e.id: e for e in lib.list()}
+    assert set(got) == {"org/Tiny-HF", "org/Escape"}
+    e = got["org/Tiny-HF"]
+    assert (e.kind, e.source, e.repo_id, e.revision, e.usable) == ("hf", "hf_cache", "org/Tiny-HF", "d" * 40, True)
+    assert e.hf is not None and (e.hf.n_layer, e.hf.architecture) == (2, "LlamaForCausalLM")
+    assert e.size_bytes == sum(f.stat().st_size for f in (tmp_path / "src").glob("*.safetensors"))
+    assert e.path.endswith("d" * 40) and len(e.files) == 3  # config.json and two shards
+    bad = got["org/Escape"]
+    assert not bad.usable and "resolves outside" in (bad.reason or ""), bad.reason
+    # Turned off: neither is listed.
+    off = ModelLibrary([tmp_path / "missing"], hf_cache_dir=None, settle_s=0, vllm_python=sys.executable)
+    off.rescan()
+    assert off.list() == []

@@ -29,12 +29,14 @@ if not VLLM_PYTHON:
     pytest.skip("no vLLM environment (make install-vllm)", allow_module_level=True)
 
 from tests.lora_support import random_adapter  # noqa: E402
-from tests.tiny_hf import build_vllm_model  # noqa: E402
+from tests.tiny_hf import build_vllm_model, put_in_hub_cache  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-vllm"
 # A PEFT adapter dir beside its base: served as MODEL:ADAPTER by the same worker.
 ADAPTER = "tiny-lora"
+# The same model as a Hub cache snapshot (listed by its repo id).
+HUB_MODEL = "lab/tiny-vllm-hub"
 # Long enough that a stream cancelled after its first chunk cannot have ended by itself.
 N_CTX = 16384
 
@@ -45,7 +47,10 @@ def srv() -> Iterator[Server]:
     build_vllm_model(models / MODEL, max_position_embeddings=N_CTX)
     # Rank 20: vLLM's max_lora_rank takes a few values only (16, 32, ...); the worker must pick 32.
     random_adapter(models / MODEL, models / ADAPTER, seed=1, r=20, alpha=40)
-    env = {"GPUVISOR_VLLM_PYTHON": VLLM_PYTHON, "GPUVISOR_PARALLEL": "2", "GPUVISOR_N_CTX": str(N_CTX)}
+    hub = models.parent / f"{models.name}-hub"
+    put_in_hub_cache(models / MODEL, hub, HUB_MODEL)
+    env = {"GPUVISOR_VLLM_PYTHON": VLLM_PYTHON, "GPUVISOR_PARALLEL": "2", "GPUVISOR_N_CTX": str(N_CTX),
+           "HF_HUB_CACHE": str(hub)}
     with running(Server(models, env=env, model=MODEL)) as server:
         r = httpx.post(f"{server.base_url}/api/models/{MODEL}/load", timeout=300)
         assert r.status_code == 200, r.text
@@ -237,6 +242,49 @@ def test_a_peft_adapter_is_served_on_its_base(srv: Server) -> None:
     refused = answer(pair, lora_scale=0.5)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_request", refused.text
     assert srv.worker(MODEL)["pid"] == pid  # served by the one worker, never reloaded
+
+
+# A vLLM start beside two running engines on a busy 2-core machine was seen
+# to take over 4 minutes: the request that starts one gets a coarse bound.
+START_S = 500
+
+
+@pytest.mark.timeout(START_S + 60)
+def test_embeddings_through_the_pooling_runner(srv: Server) -> None:
+    # A second worker, in embedding mode, beside the generation worker; the first request starts it.
+    url = srv.base_url + "/v1/embeddings"
+    r = httpx.post(url, json={"model": MODEL, "input": ["hello world", "tiny model", "hello world"]},
+                   timeout=START_S)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    vectors = [d["embedding"] for d in body["data"]]
+    assert [d["index"] for d in body["data"]] == [0, 1, 2]
+    assert all(len(v) == 256 for v in vectors)  # the tiny model's hidden size
+    for v in vectors:
+        assert abs(sum(x * x for x in v) ** 0.5 - 1.0) < 1e-3  # normalised
+    assert vectors[0] == pytest.approx(vectors[2], abs=1e-5) and vectors[0] != pytest.approx(vectors[1], abs=1e-3)
+    assert body["usage"]["prompt_tokens"] > 3
+    too_long = httpx.post(url, json={"model": MODEL, "input": "hello " * (N_CTX * 2)}, timeout=60)
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded", too_long.text
+    # The generation worker serves on, untouched.
+    assert srv.worker(MODEL)["state"] == "ready"
+
+
+@pytest.mark.timeout(START_S + 60)
+def test_a_hub_cache_snapshot_serves(srv: Server) -> None:
+    models = {m["id"]: m for m in httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"]}
+    assert (models[HUB_MODEL]["engine"], models[HUB_MODEL]["state"]) == ("vllm", "unloaded"), models.get(HUB_MODEL)
+    item = httpx.get(f"{srv.base_url}/api/models/{HUB_MODEL}", timeout=10).json()
+    assert (item["kind"], item["source"], item["n_layer"]) == ("hf", "hf_cache", 2), item
+    try:
+        r = httpx.post(srv.base_url + "/v1/chat/completions",
+                       json={**_body(16), "stream": False, "model": HUB_MODEL}, timeout=START_S)
+        assert r.status_code == 200, r.text
+        # The same weights as MODEL's dir: greedy, the same answer.
+        same = httpx.post(srv.base_url + "/v1/chat/completions", json={**_body(16), "stream": False}, timeout=120)
+        assert r.json()["choices"][0]["message"]["content"] == same.json()["choices"][0]["message"]["content"]
+    finally:  # one vLLM worker less for the tests after this one
+        httpx.post(f"{srv.base_url}/api/models/{HUB_MODEL}/unload", timeout=60)
 
 
 def test_last_the_engine_processes_die_with_the_parent(srv: Server) -> None:

@@ -163,3 +163,20 @@ def copy_model(src: Path, models_dir: Path, name: str = "tiny-hf") -> Path:
     dst = models_dir / name
     shutil.copytree(src, dst)
     return dst
+
+
+def put_in_hub_cache(src: Path, cache: Path, repo_id: str, commit: str = "c" * 40) -> Path:
+    """``src``'s files as a Hub cache snapshot of ``repo_id`` (blobs, a
+    snapshot of relative symlinks, ``refs/main``), laid out as
+    huggingface_hub downloads them; the snapshot dir."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for i, f in enumerate(sorted(p for p in src.iterdir() if p.is_file())):
+        blob = repo / "blobs" / f"{i:064x}"
+        blob.write_bytes(f.read_bytes())
+        (snapshot / f.name).symlink_to(f"../../blobs/{blob.name}")
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot

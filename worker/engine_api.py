@@ -56,6 +56,16 @@ class UnknownEngine(LoadError):
     """``--engine`` names no engine this worker has."""
 
 
+class Refused(Exception):
+    """A request the engine will not run, and why: its ``code`` is the
+    protocol's error code (``context_length_exceeded``, ``invalid_request``),
+    which the parent maps to the HTTP status as for a generation's Error."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 @dataclass
 class EngineOptions:
     """What a worker loads and how (from its command line, worker/__main__.py).
@@ -146,7 +156,8 @@ class EngineApi(Protocol):
 
     def embed(self, inputs: list[str]) -> tuple[list[list[float]], int]:
         """One vector per input, in order, and the prompt tokens they took
-        (only when loaded with ``opts.embedding``)."""
+        (only when loaded with ``opts.embedding``). Raises :class:`Refused`
+        for inputs it will not embed (one longer than the context)."""
         ...
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:

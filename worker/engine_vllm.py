@@ -18,8 +18,12 @@ pages of ``n_ctx`` tokens for each of the ``parallel`` sequences, never its
 default share of the device (90 % of a GPU, or of RAM on the CPU build).
 The parent's fit (supervisor/models/hf_fit.py) sizes the same budget.
 
-What this engine does not do yet, and says so: embeddings, images,
-speculative decoding, and a LoRA adapter at a ``lora_scale`` other than 1
+Embeddings: a worker loaded with ``--embedding`` runs vLLM's pooling runner
+(``runner="pooling"``, a causal LM converted with ``convert="embed"``: the
+last token's hidden state, normalised), one ``encode`` per input, all
+inputs of a call in flight together so vLLM batches them.
+
+What this engine does not do yet, and says so: images, speculative decoding, and a LoRA adapter at a ``lora_scale`` other than 1
 (vLLM applies an adapter as trained; 0 runs the base alone).
 """
 
@@ -41,7 +45,7 @@ from typing import Any, Literal, TypeVar
 
 from formats.chat_templates import TemplateFileError, choose_template
 from worker.chat_template import ChatRenderer, TemplateError, override_template
-from worker.engine_api import Counters, Emit, EngineApi, EngineOptions, LoadError
+from worker.engine_api import Counters, Emit, EngineApi, EngineOptions, LoadError, Refused
 from worker.images import ImageError, check_images, placements
 from worker.protocol import Delta, Done, Error, Generate, ModelFacts, Started
 from worker.vllm_params import MAX_LOGPROBS, logprobs, lora_rank, max_lora_rank, sampling
@@ -54,6 +58,7 @@ from vllm.exceptions import VLLMClientError  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
+from vllm.pooling_params import PoolingParams  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
@@ -161,8 +166,6 @@ class VllmEngine:
     """vLLM's AsyncLLM holding one model; an ``EngineApi``."""
 
     def __init__(self, opts: EngineOptions) -> None:
-        if opts.embedding:
-            raise LoadError("the vllm engine serves generation only; embeddings are not served by it yet")
         self.opts = opts
         try:
             override = override_template(opts.chat_template_file)
@@ -196,7 +199,7 @@ class VllmEngine:
             path=opts.model_path, n_ctx=self.n_ctx,
             n_ctx_train=int(getattr(model.hf_text_config, "max_position_embeddings", self.n_ctx)),
             n_vocab=int(model.get_vocab_size()), has_chat_template=template is not None,
-            embedding=False, chat_template=chosen.text, adapters=list(self._loras),
+            embedding=opts.embedding, chat_template=chosen.text, adapters=list(self._loras),
             template_source=chosen.source, template_name=chosen.name,
         )
         log.info("vLLM engine ready: max_model_len %d, %d sequences, KV cache budget %d bytes",
@@ -205,6 +208,8 @@ class VllmEngine:
     @staticmethod
     def _engine_args(opts: EngineOptions) -> AsyncEngineArgs:
         ranks = [lora_rank(p) for p in opts.lora]
+        # An embedding worker: the pooling runner on the same weights, no adapters.
+        pooling: dict[str, Any] = {"runner": "pooling", "convert": "embed"} if opts.embedding else {}
         return AsyncEngineArgs(
             model=opts.model_path, max_model_len=opts.n_ctx, max_num_seqs=max(1, opts.parallel),
             # CUDA graphs take minutes to capture on the CPU build and buy nothing there.
@@ -212,7 +217,7 @@ class VllmEngine:
             # Sampling defaults come from our request, never the model's generation_config.json.
             generation_config="vllm", max_logprobs=MAX_LOGPROBS,
             enable_lora=bool(opts.lora), max_loras=max(1, len(opts.lora)),
-            max_lora_rank=max_lora_rank(ranks),
+            max_lora_rank=max_lora_rank(ranks), **pooling,
         )
 
     @staticmethod
@@ -348,7 +353,34 @@ class VllmEngine:
                     run.task.cancel()
 
     def embed(self, inputs: list[str]) -> tuple[list[list[float]], int]:
-        raise LoadError("the vllm engine does not serve embeddings yet")
+        prompts = [self.tokenize(text, add_special=True) for text in inputs]
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise Refused("invalid_request", f"input {i} has no tokens to embed")
+            if len(ids) > self.n_ctx:
+                raise Refused("context_length_exceeded",
+                              f"input {i} has {len(ids)} tokens; the model's context is {self.n_ctx}")
+        vectors = self._loop.run(self._embed_all(prompts))
+        return vectors, sum(len(ids) for ids in prompts)
+
+    async def _embed_all(self, prompts: list[list[int]]) -> list[list[float]]:
+        base = next(self._ids)
+        return list(await asyncio.gather(*(self._embed_one(ids, f"embed-{base}-{i}")
+                                           for i, ids in enumerate(prompts))))
+
+    async def _embed_one(self, ids: list[int], rid: str) -> list[float]:
+        last: Any = None
+        try:
+            async for out in self.llm.encode(TokensPrompt(prompt_token_ids=ids), PoolingParams(task="embed"), rid):
+                last = out
+        except EngineDeadError:
+            log.critical("vLLM's engine core died; the worker exits for the parent to restart it")
+            os._exit(EXIT_ENGINE_DEAD)
+        except (VLLMClientError, ValueError) as exc:
+            raise Refused("invalid_request", str(exc)) from exc
+        if last is None or getattr(last, "error", None) is not None:
+            raise RuntimeError(f"vLLM returned no embedding for {rid}: {getattr(last, 'error', None)}")
+        return [float(x) for x in last.outputs.data.tolist()]
 
     def close(self) -> None:
         """Stop the sweeper, vLLM's engine core process, the loop thread and the reaper."""

@@ -21,7 +21,7 @@ import msgspec
 
 from worker import protocol as p
 from worker.dial import Dial, HandshakeRefused, handshake, read_secret
-from worker.engine_api import EngineApi, EngineOptions, LoadError, loader
+from worker.engine_api import EngineApi, EngineOptions, LoadError, Refused, loader
 
 log = logging.getLogger("gpuvisor.worker")
 
@@ -199,7 +199,11 @@ class WorkerServer:
         if not self.engine.opts.embedding:
             self.outbox.put(p.Error(msg.id, "not_embedding_model", "worker is not in embedding mode"))
             return
-        vectors, count = self.engine.embed(msg.inputs)
+        try:
+            vectors, count = self.engine.embed(msg.inputs)
+        except Refused as exc:
+            self.outbox.put(p.Error(msg.id, exc.code, str(exc)))
+            return
         self.outbox.put(p.Embeddings(msg.id, vectors, count))
 
     def _start(self, req_id: int, work: Callable[[threading.Event], None]) -> None:

@@ -13,6 +13,7 @@ from supervisor.models.gguf_info import GgufInfo
 from supervisor.models.hf_info import HfInfo
 
 ModelKind = Literal["gguf", "hf"]
+ModelSource = Literal["dir", "hf_cache"]
 # The engine each kind of model is served by.
 ENGINES: dict[str, str] = {"gguf": "llama.cpp", "hf": "vllm"}
 
@@ -25,7 +26,7 @@ class ModelEntry(msgspec.Struct, kw_only=True):
     path: str
     files: list[str]
     size_bytes: int
-    source: Literal["dir", "hf_cache"]
+    source: ModelSource
     root: str
     mtime: float
     repo_id: str | None = None

@@ -2,11 +2,13 @@
 
 A dir holding ``config.json`` and ``*.safetensors`` weights (or a shard
 index) is one model; its id is its path relative to the model dir
-(``org/Model-7B``). A PEFT adapter dir (``adapter_config.json``) is no
-model. Its facts are read by :mod:`supervisor.models.hf_info` once its files
-have settled, and kept until one of them changes. A model is unusable,
-with the reason, when its files cannot be read or when there is no vLLM
-environment to run it (``vllm_python``; ``make install-vllm`` makes one).
+(``org/Model-7B``). A snapshot in the Hugging Face Hub cache that holds
+the same files (symlinks into the cache's blobs) is one too, its id the
+repo id (``org/Model-7B``), listed after the model dirs. A PEFT adapter
+dir (``adapter_config.json``) is no model. Its facts are read by
+:mod:`supervisor.models.hf_info` once its files have settled, and kept
+until one of them changes. A model is unusable, with the reason, when its
+files cannot be read or when there is no vLLM environment to run it (``vllm_python``; ``make install-vllm`` makes one).
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ import stat
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import msgspec
+
 from jobs.gguf_names import is_temporary_name
-from supervisor.models.entry import ModelEntry
+from supervisor.models.entry import ModelEntry, ModelSource
 from supervisor.models.hf_info import HfError, HfInfo, is_model_dir, read_hf_info
 
 log = logging.getLogger(__name__)
 
 Settled = Callable[[str, os.stat_result], bool]
 _Key = tuple[tuple[str, int, int], ...]
+_Facts = dict[str, tuple[_Key, "HfInfo | HfError"]]
 
 
 def engine_problem(vllm_python: str | None) -> str | None:
@@ -72,7 +77,8 @@ class HfScanner:
 
     def __init__(self, vllm_python: str | None) -> None:
         self.vllm_python = vllm_python
-        self._facts: dict[str, tuple[_Key, HfInfo | HfError]] = {}
+        self._facts: _Facts = {}
+        self._hub_facts: _Facts = {}
 
     def scan(self, roots: Sequence[Path], settled: Settled, pending: set[str],
              seen: set[str]) -> list[ModelEntry]:
@@ -80,25 +86,58 @@ class HfScanner:
         files go to ``pending``."""
         problem = engine_problem(self.vllm_python)
         out: list[ModelEntry] = []
-        facts: dict[str, tuple[_Key, HfInfo | HfError]] = {}
+        facts: _Facts = {}
         for root in roots:
             if not root.is_dir():
                 continue
             for model_dir, names in model_dirs(root):
-                stats = _files(model_dir, names)
-                waiting = [str(model_dir / n) for n, st in stats.items() if not settled(str(model_dir / n), st)]
-                seen.update(str(model_dir / n) for n in stats)
-                if waiting:
-                    pending.update(waiting)
-                    continue
-                key = tuple(sorted((n, st.st_size, st.st_mtime_ns) for n, st in stats.items()))
-                facts[str(model_dir)] = (key, self._read(model_dir, root, key))
-                out.append(_entry(root, model_dir, stats, facts[str(model_dir)][1], problem))
+                entry = self._one(root, model_dir, names, settled, pending, seen, self._facts, facts, problem)
+                if entry is not None:
+                    out.append(entry)
         self._facts = facts
         return out
 
-    def _read(self, model_dir: Path, root: Path, key: _Key) -> HfInfo | HfError:
-        cached = self._facts.get(str(model_dir))
+    def scan_hub(self, cache_dir: Path, snapshots: Sequence[tuple[str, str, Path]], settled: Settled,
+                 pending: set[str], seen: set[str]) -> list[ModelEntry]:
+        """The models among the Hub cache's snapshots, each (repo id, commit,
+        snapshot dir): one whose top level is a model dir, listed as the repo
+        id. Its files may be links into the cache's blobs, never out of it."""
+        problem = engine_problem(self.vllm_python)
+        out: list[ModelEntry] = []
+        facts: _Facts = {}
+        for repo_id, revision, snapshot in snapshots:
+            try:
+                names = sorted(n for n in os.listdir(snapshot) if not n.startswith("."))
+            except OSError as exc:
+                log.warning("hub cache: cannot list %s: %s", snapshot, exc)
+                continue
+            if not is_model_dir(frozenset(names)):
+                continue
+            entry = self._one(cache_dir, snapshot, names, settled, pending, seen, self._hub_facts, facts,
+                              problem, source="hf_cache", model_id=repo_id)
+            if entry is not None:
+                out.append(msgspec.structs.replace(entry, repo_id=repo_id, revision=revision))
+        self._hub_facts = facts
+        return out
+
+    def _one(self, root: Path, model_dir: Path, names: list[str], settled: Settled, pending: set[str],
+             seen: set[str], old: _Facts, new: _Facts, problem: str | None, *,
+             source: ModelSource = "dir", model_id: str | None = None) -> ModelEntry | None:
+        """The entry of one model dir once all its files have settled (else
+        None, its files pending); its facts read again only when a file changed."""
+        stats = _files(model_dir, names)
+        waiting = [str(model_dir / n) for n, st in stats.items() if not settled(str(model_dir / n), st)]
+        seen.update(str(model_dir / n) for n in stats)
+        if waiting:
+            pending.update(waiting)
+            return None
+        key = tuple(sorted((n, st.st_size, st.st_mtime_ns) for n, st in stats.items()))
+        new[str(model_dir)] = (key, self._read(model_dir, root, key, old))
+        return _entry(root, model_dir, stats, new[str(model_dir)][1], problem, source, model_id)
+
+    @staticmethod
+    def _read(model_dir: Path, root: Path, key: _Key, old: _Facts) -> HfInfo | HfError:
+        cached = old.get(str(model_dir))
         if cached is not None and cached[0] == key:
             return cached[1]
         try:
@@ -111,7 +150,7 @@ class HfScanner:
 
 
 def _entry(root: Path, model_dir: Path, stats: dict[str, os.stat_result], facts: HfInfo | HfError,
-           problem: str | None) -> ModelEntry:
+           problem: str | None, source: ModelSource = "dir", model_id: str | None = None) -> ModelEntry:
     info = facts if isinstance(facts, HfInfo) else None
     if isinstance(facts, HfError):
         where = Path(facts.path)
@@ -119,11 +158,11 @@ def _entry(root: Path, model_dir: Path, stats: dict[str, os.stat_result], facts:
     weights = info.weight_files if info else sorted(n for n in stats if n.endswith(".safetensors"))
     rel = model_dir.relative_to(root).as_posix()
     return ModelEntry(
-        id=model_dir.name if rel == "." else rel,
+        id=model_id or (model_dir.name if rel == "." else rel),
         path=str(model_dir),
         files=[str(model_dir / n) for n in ["config.json", *weights]],
         size_bytes=sum(stats[n].st_size for n in weights if n in stats),
-        source="dir",
+        source=source,
         root=str(root),
         mtime=max((st.st_mtime for st in stats.values()), default=0.0),
         quantization=info.quantization if info else None,

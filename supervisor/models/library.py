@@ -6,7 +6,8 @@ Sources, in priority order:
 1. the configured model dirs, scanned recursively (hidden names skipped);
 2. the Hugging Face hub cache (``huggingface_hub.scan_cache_dir``; which
    one: supervisor/models/hub_cache.py), one revision per repo: the one
-   ``main`` points to, else the newest.
+   ``main`` points to, else the newest. A snapshot holding a safetensors
+   model is one ``hf`` model named by its repo id (supervisor/models/hf_scan.py).
 
 Model ids are stable and readable:
 
@@ -169,8 +170,12 @@ class ModelLibrary:
                     self._add(entries, entry)
             for entry in self._hf.scan(self.model_dirs, self._settled, pending, seen):
                 self._add(entries, entry)
-            for entry in self._scan_hf_cache():
+            gguf_hub, snapshots = self._scan_hf_cache()
+            for entry in gguf_hub:
                 self._add(entries, entry)
+            if self.hf_cache_dir is not None:
+                for entry in self._hf.scan_hub(self.hf_cache_dir, snapshots, self._settled, pending, seen):
+                    self._add(entries, entry)
             peft = peft_adapters.scan(self.model_dirs, entries, self._settled, pending, seen)
             self._pending = pending
             alive = seen | {f for e in entries.values() for f in e.files}
@@ -302,25 +307,29 @@ class ModelLibrary:
                 continue  # removed while we looked; the watcher rescans
         return out
 
-    def _scan_hf_cache(self) -> builtins.list[ModelEntry]:
+    def _scan_hf_cache(self) -> tuple[builtins.list[ModelEntry], builtins.list[tuple[str, str, Path]]]:
+        """The GGUF models of the hub cache, and each repo's chosen snapshot
+        (repo id, commit, dir) for the ``hf`` scan."""
         if self.hf_cache_dir is None or not self.hf_cache_dir.is_dir():
-            return []
+            return [], []
         from huggingface_hub import scan_cache_dir
         from huggingface_hub.errors import CacheNotFound
 
         try:
             info = scan_cache_dir(self.hf_cache_dir)
         except CacheNotFound:
-            return []  # removed since we looked
+            return [], []  # removed since we looked
         for warning in info.warnings:
             log.warning("hub cache: %s", warning)
         out: builtins.list[ModelEntry] = []
+        snapshots: builtins.list[tuple[str, str, Path]] = []
         for repo in sorted(info.repos, key=lambda r: r.repo_id):
             if repo.repo_type != "model" or not repo.revisions:
                 continue
             rev = max(
                 repo.revisions, key=lambda r: ("main" in r.refs, bool(r.refs), r.last_modified)
             )
+            snapshots.append((repo.repo_id, rev.commit_hash, rev.snapshot_path))
             rel = {f.file_path.relative_to(rev.snapshot_path).as_posix(): f for f in rev.files}
             models, projectors = group_gguf_files(rel)
             for key, files in models.items():
@@ -340,7 +349,7 @@ class ModelLibrary:
                     )
                 except FileNotFoundError:
                     continue  # removed while we looked; the watcher rescans
-        return out
+        return out, snapshots
 
     def _entry(
         self,

@@ -18,6 +18,12 @@ export function modelStateText(m) {
   }
 }
 
+// The engine a model is served by, as its project spells it (/api/models
+// says "vllm" or "llama.cpp").
+export function engineName(m) {
+  return { vllm: 'vLLM', 'llama.cpp': 'llama.cpp' }[m.engine] || m.engine || '';
+}
+
 // A turn's line while it waits for `model` ({state, progress} from the list):
 // {text, progress} while the model is not serving yet, else null.
 export function loadingState(model, info) {
@@ -66,7 +72,7 @@ export function modelPicker(select, { wanted = null, current, onPick, onList, on
     for (const m of usable) {
       infos.set(m.id, { state: m.state, progress: m.load?.progress ?? null, vision: Boolean(m.vision), visionError: m.vision_error || '' });
     }
-    replace(select, usable.map((m) => h('option', { value: m.id, dataset: { state: m.state }, text: `${m.id} — ${modelStateText(m)}` })));
+    replace(select, usable.map((m) => h('option', { value: m.id, dataset: { state: m.state }, text: `${m.id} — ${[engineName(m), modelStateText(m)].filter(Boolean).join(' · ')}` })));
     const has = (id) => id && infos.has(id);
     const ready = usable.find((m) => m.state === 'ready');
     if (pending && has(pending)) { select.value = pending; pending = null; } else {

@@ -4,6 +4,7 @@
 import { ApiError, getJson, modelPath, postJson } from './api.js';
 import { badge, errorBox, formatBytes, h, progressBar, replace, safeId, stackTable } from './dom.js';
 import { SchemaForm } from './form.js';
+import { engineName } from './chat-models.js';
 import { keepAliveText } from './page-overview.js';
 import { poll } from './poll.js';
 import { PRIORITY_FIELD, fieldText, jobKinds } from './schema.js';
@@ -41,7 +42,7 @@ export function mount(root) {
   const downloadsHost = h('div', { class: 'downloads' });
   root.append(
     h('div', { class: 'page-head' }, h('h1', { text: 'Models' }),
-      h('p', { class: 'muted', text: 'GGUF models found in the model directories and the Hub cache.' })),
+      h('p', { class: 'muted', text: 'GGUF models (served by llama.cpp) and Hugging Face safetensors models (served by vLLM) found in the model directories and the Hub cache.' })),
     h('div', { class: 'split' }, tableHost, h('div', { class: 'side' }, pullHost, downloadsHost)));
 
   let models = null;
@@ -92,7 +93,7 @@ export function mount(root) {
   // Why the worker died, the end of its log, the whole log, and how to recover.
   function failure(m) {
     const restarting = m.state === 'crashed';
-    return h('tr', { class: 'model-failure', dataset: { failedModel: m.id } }, h('td', { colspan: 8 },
+    return h('tr', { class: 'model-failure', dataset: { failedModel: m.id } }, h('td', { colspan: 9 },
       h('div', { class: 'notice error', role: 'status' },
         h('p', { class: 'failure-reason' }, h('strong', { text: restarting ? 'Crashed, restarting: ' : 'Failed: ' }), m.reason || 'no reason given'),
         m.log_tail ? h('pre', { class: 'log', tabindex: 0, 'aria-label': `Last lines of the ${m.id} worker log`, text: m.log_tail }) : null,
@@ -116,6 +117,7 @@ export function mount(root) {
     const err = rowErrors.get(m.id);
     const rows = [h('tr', { dataset: { model: m.id }, class: BROKEN.has(m.state) ? 'has-failure' : null },
       h('td', {}, h('code', { text: m.id }), m.reason && !m.usable ? h('p', { class: 'small muted', text: m.reason }) : null),
+      h('td', { class: 'engine', text: engineName(m) || '—' }),
       h('td', { text: formatBytes(m.size_bytes) }),
       h('td', { text: m.quantization || '—' }),
       h('td', { text: m.architecture || '—' }),
@@ -125,9 +127,9 @@ export function mount(root) {
         loaded ? h('p', { class: 'small muted', text: keepAliveText(m) }) : null),
       h('td', { class: 'actions-cell' }, actions))];
     if (BROKEN.has(m.state)) rows.push(failure(m));
-    if (err) rows.push(h('tr', { class: 'row-error' }, h('td', { colspan: 8 }, errorBox(err))));
+    if (err) rows.push(h('tr', { class: 'row-error' }, h('td', { colspan: 9 }, errorBox(err))));
     if (openLoad === m.id && !loaded) {
-      rows.push(h('tr', { class: 'load-options', id: optsId }, h('td', { colspan: 8 }, loadForm(m).el)));
+      rows.push(h('tr', { class: 'load-options', id: optsId }, h('td', { colspan: 9 }, loadForm(m).el)));
     }
     return rows.concat(adapterRows(m));
   }
@@ -136,7 +138,7 @@ export function mount(root) {
   function adapterRows(m) {
     const links = adapters.flatMap((a) => a.links.filter((l) => l.base === m.id).map((l) => [a, l]));
     return links.map(([a, l]) => h('tr', { class: 'adapter-row', dataset: { adapter: l.model } },
-      h('td', { colspan: 6 }, h('span', { 'aria-hidden': 'true', text: '↳ ' }), h('code', { text: l.model }),
+      h('td', { colspan: 7 }, h('span', { 'aria-hidden': 'true', text: '↳ ' }), h('code', { text: l.model }),
         h('span', { class: 'small muted', text: ` LoRA adapter ${a.id}${a.rank ? ` · rank ${a.rank}` : ''} · ${formatBytes(a.size_bytes)}` }),
         l.fits ? null : h('p', { class: 'small muted adapter-reason', text: `Refused: ${l.reason}` })),
       h('td', {}, badge(l.fits ? m.state : 'unusable')),
@@ -155,14 +157,14 @@ export function mount(root) {
   function render() {
     if (models === null) return;
     if (!models.length) {
-      replace(tableHost, h('p', { class: 'empty', text: 'No models yet. Put GGUF files in the models directory, or pull one from the Hub.' }));
+      replace(tableHost, h('p', { class: 'empty', text: 'No models yet. Put GGUF files or Hugging Face model dirs in the models directory, or pull one from the Hub.' }));
       return;
     }
     // Don't redraw under someone typing in a load form (the form itself is kept across redraws).
     const focused = document.activeElement;
     if (focused && tableHost.contains(focused) && focused.matches('input, select, textarea')) return;
     replace(tableHost, h('div', { class: 'table-wrap' }, stackTable(h('table', { class: 'models' },
-      h('thead', {}, h('tr', {}, ['Model', 'Size', 'Quant', 'Architecture', 'Context', 'Capabilities', 'State', 'Actions'].map((t) => h('th', { scope: 'col', text: t })))),
+      h('thead', {}, h('tr', {}, ['Model', 'Engine', 'Size', 'Quant', 'Architecture', 'Context', 'Capabilities', 'State', 'Actions'].map((t) => h('th', { scope: 'col', text: t })))),
       h('tbody', {}, models.map(row)))), orphans()));
   }
 

@@ -1,0 +1,225 @@
+"""Containers: a folder of files that code runs in, one run at a time.
+
+``container: {"type": "auto"}`` makes one (:meth:`ContainerPool.create`);
+its id (``cntr_...``) names it in later calls. Files are uploaded into it
+and the files a run writes are listed back (name and size; the bytes on
+request, bounded). A container idle for ``idle_s`` expires: its folder is
+removed. The pool holds at most ``max_containers``; a full pool refuses a
+new one (:class:`PoolFull`) rather than evict one in use.
+
+The parent reads what the code wrote as untrusted: only regular files, never
+through a symlink (``O_NOFOLLOW``, ``lstat``), bounded in number and size,
+so a link to the state dir or a huge file gives nothing away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from supervisor.sandbox.runner import RunResult, SandboxSpec, run_code
+
+MAX_FILE_NAME = 255
+MAX_LISTED_FILES = 64
+MAX_SCANNED_ENTRIES = 4096
+
+
+class ContainerError(Exception):
+    """A caller's mistake: the message is safe to show them."""
+
+
+class PoolFull(ContainerError):
+    pass
+
+
+class UnknownContainer(ContainerError):
+    pass
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    name: str  # relative to the container's folder, "/"-separated
+    bytes: int
+
+
+@dataclass(frozen=True)
+class CodeRun:
+    result: RunResult
+    # Files the run created or changed (bounded by MAX_LISTED_FILES).
+    files: list[FileInfo]
+    files_truncated: bool
+
+
+def check_name(name: str) -> str:
+    """A file name for an upload: a plain name, no folders."""
+    if not name or len(name) > MAX_FILE_NAME or "/" in name or "\0" in name or name in (".", ".."):
+        raise ContainerError(f"invalid file name {name[:80]!r}: a plain name of at most {MAX_FILE_NAME} characters")
+    return name
+
+
+@dataclass
+class Container:
+    id: str
+    path: Path
+    last_used: float
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def files(self) -> tuple[list[FileInfo], bool]:
+        """Regular files under the folder (no symlink followed), bounded;
+        True when there were more."""
+        found, truncated = _scan(self.path)
+        return [FileInfo(name, size) for name, (size, _) in sorted(found.items())], truncated
+
+    def read(self, name: str, max_bytes: int) -> bytes:
+        """A file's bytes; refuses links, folders, other files than regular
+        ones, paths out of the folder and files over ``max_bytes``."""
+        parts = name.split("/")
+        if any(p in ("", ".", "..") for p in parts):
+            raise ContainerError(f"invalid file name {name[:80]!r}")
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for part in parts[:-1]:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            try:
+                file_fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+            except OSError as exc:
+                raise ContainerError(f"no file {name[:80]!r} in container {self.id}") from exc
+        finally:
+            os.close(fd)
+        with os.fdopen(file_fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ContainerError(f"{name[:80]!r} is not a regular file")
+            if st.st_size > max_bytes:
+                raise ContainerError(f"{name[:80]!r} is {st.st_size} bytes, over {max_bytes}")
+            return f.read(max_bytes + 1)[:max_bytes]
+
+
+class ContainerPool:
+    """The containers of one service; the clock is injected for tests."""
+
+    def __init__(self, root: Path, spec: SandboxSpec, *, max_containers: int = 16, idle_s: float = 1200.0,
+                 max_upload_bytes: int = 64 << 20, clock: Callable[[], float] = time.monotonic) -> None:
+        self.root = root
+        self.spec = spec
+        self.max_containers = max_containers
+        self.idle_s = idle_s
+        self.max_upload_bytes = max_upload_bytes
+        self._clock = clock
+        self._containers: dict[str, Container] = {}
+
+    def __len__(self) -> int:
+        return len(self._containers)
+
+    def _own(self, path: Path) -> None:
+        # A service running as root runs the code as spec.uid: it must be
+        # able to write its folder and the files put there.
+        if os.geteuid() == 0:
+            os.chown(path, self.spec.uid, self.spec.gid)
+
+    def create(self) -> Container:
+        self.expire()
+        if len(self._containers) >= self.max_containers:
+            raise PoolFull(f"too many containers ({self.max_containers}); reuse one or wait for one to expire")
+        self.root.mkdir(parents=True, exist_ok=True)
+        cid = "cntr_" + secrets.token_hex(16)
+        path = self.root / cid
+        path.mkdir(mode=0o700)
+        self._own(path)
+        container = Container(cid, path, self._clock())
+        self._containers[cid] = container
+        return container
+
+    def get(self, cid: str) -> Container:
+        container = self._containers.get(cid)
+        if container is None:
+            raise UnknownContainer(f"no container {cid[:80]!r} (it may have expired)")
+        container.last_used = self._clock()
+        return container
+
+    def upload(self, container: Container, name: str, data: bytes) -> FileInfo:
+        check_name(name)
+        if len(data) > self.max_upload_bytes:
+            raise ContainerError(f"file {name!r} is {len(data)} bytes, over the limit of {self.max_upload_bytes}")
+        fd = os.open(container.path / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        self._own(container.path / name)
+        container.last_used = self._clock()
+        return FileInfo(name, len(data))
+
+    async def run(self, container: Container, code: str) -> CodeRun:
+        async with container.lock:
+            before, _ = _scan(container.path)
+            result = await run_code(self.spec, container.path, code)
+            container.last_used = self._clock()
+            after, truncated = _scan(container.path)
+            changed = [FileInfo(name, size) for name, (size, mtime) in sorted(after.items())
+                       if before.get(name) != (size, mtime)]
+            if len(changed) > MAX_LISTED_FILES:
+                changed, truncated = changed[:MAX_LISTED_FILES], True
+            return CodeRun(result, changed, truncated)
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Remove the containers idle for ``idle_s`` (not one running code)."""
+        now = self._clock() if now is None else now
+        gone = [c for c in self._containers.values()
+                if now - c.last_used >= self.idle_s and not c.lock.locked()]
+        for container in gone:
+            self.remove(container.id)
+        return [c.id for c in gone]
+
+    def remove(self, cid: str) -> None:
+        container = self._containers.pop(cid, None)
+        if container is not None:
+            _remove_tree(container.path)
+
+    def close(self) -> None:
+        for cid in list(self._containers):
+            self.remove(cid)
+
+
+def _scan(root: Path) -> tuple[dict[str, tuple[int, int]], bool]:
+    """{relative name: (size, mtime_ns)} of the regular files under root,
+    walked without following a link, at most MAX_SCANNED_ENTRIES entries."""
+    found: dict[str, tuple[int, int]] = {}
+    scanned = 0
+    stack = [root]
+    while stack:
+        folder = stack.pop()
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            # A folder the code made unreadable: its files are not listed.
+            continue
+        for entry in entries:
+            scanned += 1
+            if scanned > MAX_SCANNED_ENTRIES:
+                return found, True
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(Path(entry.path))
+            elif stat.S_ISREG(st.st_mode):
+                found[Path(entry.path).relative_to(root).as_posix()] = (st.st_size, st.st_mtime_ns)
+    return found, False
+
+
+def _remove_tree(path: Path) -> None:
+    """rmtree, also where the code took the permissions off a folder."""
+    def give_back(func: Callable[[str], object], failed: str, _info: object) -> None:
+        os.chmod(os.path.dirname(failed), 0o700)
+        if os.path.isdir(failed) and not os.path.islink(failed):
+            os.chmod(failed, 0o700)
+            shutil.rmtree(failed)
+        else:
+            func(failed)
+    shutil.rmtree(path, onerror=give_back)

@@ -1,0 +1,54 @@
+"""The sandbox from the service's settings, and whether it can be enabled."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from supervisor.config import Config
+from supervisor.sandbox.containers import ContainerPool
+from supervisor.sandbox.runner import SandboxLimits, SandboxSpec, probe
+
+
+def hidden_paths(cfg: Config) -> tuple[str, ...]:
+    """What the code must not see: the state dir (the database, keys, logs,
+    the workers' sockets), the models, datasets and outputs, the config
+    file's folder and the Hugging Face cache."""
+    paths = [cfg.state_dir, cfg.models_dir, cfg.datasets_dir, cfg.outputs_dir, *cfg.extra_model_dirs]
+    if cfg.config:
+        paths.append(str(Path(cfg.config).parent))
+    if cfg.hf_cache_dir and cfg.hf_cache_dir != "off":
+        paths.append(cfg.hf_cache_dir)
+    return tuple(dict.fromkeys(str(Path(p).expanduser().resolve()) for p in paths if p))
+
+
+def sandbox_spec(cfg: Config) -> SandboxSpec:
+    limits = SandboxLimits(cpu_s=cfg.code_interpreter_cpu_s, memory_mib=cfg.code_interpreter_memory_mib,
+                           wall_s=cfg.code_interpreter_wall_s, file_mib=cfg.code_interpreter_file_mib,
+                           processes=cfg.code_interpreter_processes,
+                           open_files=cfg.code_interpreter_open_files)
+    return SandboxSpec(python=cfg.code_interpreter_python or sys.executable, hide=hidden_paths(cfg),
+                       uid=cfg.code_interpreter_uid, gid=cfg.code_interpreter_gid, limits=limits)
+
+
+def containers_root(cfg: Config) -> Path:
+    return Path(cfg.code_interpreter_dir) if cfg.code_interpreter_dir else cfg.state_path / "containers"
+
+
+async def open_pool(cfg: Config) -> tuple[ContainerPool | None, str | None]:
+    """(the pool, None) when the tool is enabled and the sandbox works;
+    (None, why not) otherwise, for the service to log and the API to name."""
+    if not cfg.code_interpreter:
+        return None, "code_interpreter is not enabled (setting code_interpreter)"
+    spec = sandbox_spec(cfg)
+    pool = ContainerPool(containers_root(cfg), spec, max_containers=cfg.code_interpreter_max_containers,
+                         idle_s=cfg.code_interpreter_idle_s)
+    trial = pool.create()
+    try:
+        reason = await probe(spec, trial.path)
+    finally:
+        pool.remove(trial.id)
+    if reason is not None:
+        return None, f"code_interpreter cannot be enabled: {reason}"
+    return pool, None
+
