@@ -26,7 +26,6 @@ from supervisor.api import jobs as routes_jobs
 from supervisor.api import models as routes_models
 from supervisor.api import openai as routes_openai
 from supervisor.api import responses as routes_responses
-from supervisor.responses.hosted.settings import HostedSettings
 from supervisor.api import web as routes_web
 from supervisor.api.io import answer_and_close, error_response, json_response
 from supervisor.appkeys import (
@@ -54,6 +53,7 @@ from supervisor.lab.store import JOBS_OWNER_SCHEMA, JOBS_SCHEMA, JobStore
 from supervisor.models import hub_cache
 from supervisor.models.library import ModelLibrary
 from supervisor.models.source import LibrarySource, ensure_demo_model
+from supervisor.responses.hosted.settings import HostedSettings
 from supervisor.responses.store import RESPONSES_OWNER_SCHEMA
 from supervisor.workers.engine_check import EngineCheck
 from supervisor.workers.pool import WorkerPool

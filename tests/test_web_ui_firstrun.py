@@ -418,7 +418,8 @@ def test_chat_model_states_follow_the_server(desk: Any, srv: Server) -> None:
     open_page(pg, srv.base_url, "/chat")
     opt = pg.locator("#chat-model option[value=tiny]")
     opt.wait_for(state="attached")
-    assert opt.inner_text().endswith("— loaded"), opt.inner_text()
+    # "<model> — <engine> · <state>" (chat-models.js)
+    assert opt.inner_text() == "tiny — llama.cpp · loaded", opt.inner_text()
     # Unloaded behind the page's back: the picker says so within a poll.
     httpx.post(f"{srv.base_url}/api/models/tiny/unload", json={}, timeout=60).raise_for_status()
     pg.wait_for_function(
