@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from jobs.context import JobError
 from jobs.events import JobIO
 from jobs.finetune_data import CHATML
-from jobs.finetune_params import BNB_INSTALL_HINT, FinetuneParams
+from jobs.finetune_params import BNB_INSTALL_HINT, DEFAULT_TARGETS, FinetuneParams
 
 if TYPE_CHECKING:
     import torch
@@ -124,8 +124,10 @@ def load_model(io: JobIO, params: FinetuneParams, model_dir: Path, device: torch
     targets = [t for t in params.target_modules if t in present]
     if not targets:
         raise JobError(f"none of target_modules {params.target_modules} exist in this model")
-    if len(targets) < len(params.target_modules):
-        io.log(f"target modules not in this model, skipped: {sorted(set(params.target_modules) - present)}")
+    skipped = set(params.target_modules) - present
+    if skipped and tuple(params.target_modules) != DEFAULT_TARGETS:
+        io.log(f"target modules not in this model, skipped: {sorted(skipped)}")
+    io.log(f"adapting: {', '.join(targets)}")
     lora = LoraConfig(r=params.lora_r, lora_alpha=params.lora_alpha, lora_dropout=params.lora_dropout,
                       target_modules=targets, task_type="CAUSAL_LM")
     return get_peft_model(model, lora), checkpointing

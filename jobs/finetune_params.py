@@ -34,7 +34,13 @@ TRAIN_INSTALL_HINT = (
     "then pip install 'gpuvisor[train]'"
 )
 BNB_INSTALL_HINT = "pip install bitsandbytes (on a machine with a CUDA build of torch)"
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The usual attention and MLP projections, under both the split names (Llama,
+# Qwen, Gemma, OLMo, Granite, Mistral) and the fused ones (Phi-3 and Phi-4:
+# qkv_proj, gate_up_proj): with only the split names, a Phi model trained
+# just o_proj and down_proj. A model has one set or the other; the defaults
+# it lacks are left out without a word (a name the user chose is reported).
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj",
+                   "gate_proj", "up_proj", "gate_up_proj", "down_proj")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 _HF_CACHE_DIR = re.compile(r"^models--(?P<owner>[^/]+?)--(?P<name>[^/]+)$")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,99}$")
@@ -167,7 +173,9 @@ def adapter_stem(adapter_dir: Path) -> str:
 
 
 class ExportParams(JobParams, ExportOptions):
-    """Convert a Hugging Face model dir (Llama family) to GGUF in the models dir.
+    """Convert a Hugging Face model dir to GGUF in the models dir (the families
+    of ``jobs.hf_arch``: Llama, Mistral, Qwen 2 and 3, Gemma 2 and 3, Phi-3 and
+    4, OLMo 2, Granite).
 
     A PEFT LoRA adapter dir (with ``adapter_config.json``) as ``model`` is
     converted to a GGUF LoRA adapter instead (``jobs.lora_export``); its base
