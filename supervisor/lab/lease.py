@@ -20,6 +20,12 @@ their memory is expected back at the job's end.
 
 On a machine without a GPU the lease manages one logical device, ``cpu``, so
 the same code paths run everywhere.
+
+With a Ray cluster configured, the devices of its nodes join the lease as
+node/GPU pairs (``node-a/cuda:0``) while the node is alive
+(:meth:`GpuLease.set_node`), and leave with it (:meth:`GpuLease.drop_node`).
+Model workers run there; jobs still run on this machine, on its own devices:
+a job asking for a node's device is refused, with the reason.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from supervisor.models.devices import DeviceReadError, GpuReading
+from supervisor.models.gpu_reading import device_node
 from supervisor.models.settle import Settler
 
 log = logging.getLogger("gpuvisor.lease")
@@ -62,6 +69,7 @@ class Device:
     name: str
     index: int | None = None
     memory_total_mib: int | None = None
+    node: str = ""  # the cluster node it is on ("" = this machine)
 
 
 def cpu_device() -> Device:
@@ -131,7 +139,7 @@ def cuda_visible_devices(devices: Sequence[Device]) -> str:
 
 def devices_from_readings(readings: Sequence[GpuReading]) -> list[Device]:
     """The lease's devices for these GPUs; ``cpu`` alone when there is none."""
-    found = [Device(r.device_id, r.name, r.index, r.total_bytes >> 20) for r in readings]
+    found = [Device(r.device_id, r.name, r.index, r.total_bytes >> 20, r.node) for r in readings]
     return found or [cpu_device()]
 
 
@@ -180,6 +188,8 @@ class GpuLease:
         # Worker key -> the devices it is placed on (booked by the pool).
         self._workers: dict[str, tuple[str, ...]] = {}
         self.settler = settler
+        # The latest memory readings of the cluster nodes' GPUs (shown in the snapshot).
+        self._node_readings: dict[str, tuple[GpuReading, ...]] = {}
 
     # ------------------------------------------------------------ devices
 
@@ -199,11 +209,13 @@ class GpuLease:
 
     def preferred(self) -> list[str]:
         """Devices in the order a job asking for a count should take them:
-        those no job holds or waits for first, then those with fewer workers."""
+        this machine's own first (jobs run here), then those no job holds or
+        waits for, then those with fewer workers."""
         wanted = {d for r in self._requests.values() for d in r.devices}
         order = {d: i for i, d in enumerate(self._devices)}
         workers = self.workers_on()
-        return sorted(self._devices, key=lambda d: (d in wanted, len(workers[d]), order[d]))
+        return sorted(self._devices, key=lambda d: (bool(self._devices[d].node), d in wanted,
+                                                    len(workers[d]), order[d]))
 
     def gpu_indices(self, device_ids: Sequence[str]) -> list[int]:
         """The GPU indices of these devices (none for ``cpu``)."""
@@ -217,6 +229,37 @@ class GpuLease:
 
     def unbook_worker(self, key: str) -> None:
         self._workers.pop(key, None)
+
+    # ------------------------------------------------------------ cluster nodes
+
+    def set_node(self, node: str, readings: Sequence[GpuReading]) -> list[str]:
+        """A cluster node's GPUs as its agent read them just now: new ones join
+        the lease, and their memory is shown. The ids that joined."""
+        joined = []
+        for r in readings:
+            if r.node != node:
+                raise ValueError(f"a reading of node {r.node!r} given as node {node!r}'s")
+            if r.device_id not in self._devices:
+                joined.append(r.device_id)
+            self._devices[r.device_id] = Device(r.device_id, r.name, r.index, r.total_bytes >> 20, node)
+        self._node_readings[node] = tuple(readings)
+        return joined
+
+    def drop_node(self, node: str) -> list[str]:
+        """A node left the cluster: its devices leave the lease, and the
+        workers booked on them are unbooked. The worker keys that were there."""
+        self._node_readings.pop(node, None)
+        gone = {d for d, dev in self._devices.items() if dev.node == node}
+        for d in gone:
+            del self._devices[d]
+        holders = [k for k, devices in self._workers.items() if gone & set(devices)]
+        for key in holders:
+            del self._workers[key]
+        return holders
+
+    def nodes(self) -> list[str]:
+        """The cluster nodes whose devices the lease has."""
+        return list(self._node_readings)
 
     def workers_on(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {d: [] for d in self._devices}
@@ -237,6 +280,11 @@ class GpuLease:
         unknown = [d for d in devices if d not in self._devices]
         if unknown or not devices:
             raise ValueError(f"unknown devices {unknown or devices!r}; known: {self.devices}")
+        on_nodes = [d for d in devices if device_node(d)]
+        if on_nodes:
+            # Jobs run on this machine: a node's GPU is not one it can use.
+            raise ValueError(f"jobs run on this machine only; {', '.join(on_nodes)} "
+                             f"{'is' if len(on_nodes) == 1 else 'are'} on a cluster node")
         now = self._clock()
         req = _Request(
             job_id,
@@ -305,15 +353,18 @@ class GpuLease:
             (r for r in self._requests.values() if r.state == "waiting"), key=_Request.sort_key
         )
         workers = self.workers_on()
-        by_index = {r.index: r for r in memory}
+        # Readings name their device (a node's GPU index is its own, not this machine's).
+        by_id = {r.device_id: r for r in memory}
+        by_id.update((r.device_id, r) for rs in self._node_readings.values() for r in rs)
         devices = []
         for dev in self._devices.values():
             owner = self._owner.get(dev.id)
             req = self._requests.get(owner) if owner is not None else None
-            reading = by_index.get(dev.index) if dev.index is not None else None
+            reading = by_id.get(dev.id) if dev.index is not None else None
             devices.append(
                 {
                     "id": dev.id,
+                    "node": dev.node or None,
                     "name": dev.name,
                     "memory_total_mib": dev.memory_total_mib,
                     "memory": None if reading is None else {

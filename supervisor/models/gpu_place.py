@@ -42,6 +42,7 @@ class GpuPlacement(msgspec.Struct, frozen=True, kw_only=True):
     tensor_split: list[float] = []  # per chosen GPU; empty on one GPU
     headroom: float = DEFAULT_HEADROOM
     reason: str = ""
+    node: str = ""  # the cluster node it runs on ("" = this machine)
 
 
 def cpu_placement(reason: str = "no GPU: the model runs in RAM") -> GpuPlacement:
@@ -72,7 +73,8 @@ def _placement(mode: PlacementMode, chosen: Sequence[GpuReading], usable: int, h
     return GpuPlacement(mode=mode, devices=[r.device_id for r in chosen],
                         indices=[r.index for r in chosen],
                         free_bytes=[r.free_bytes for r in chosen], usable_bytes=usable,
-                        tensor_split=tensor_split(chosen), headroom=headroom, reason=reason)
+                        tensor_split=tensor_split(chosen), headroom=headroom, reason=reason,
+                        node=chosen[0].node if chosen else "")
 
 
 def _fits(decision: ContextDecision | None, best: ContextDecision | None) -> bool:
@@ -103,11 +105,46 @@ def place(readings: Sequence[GpuReading], *, headroom: float, extra_reserve: int
             continue
         if _fits(decision, best):
             mode: PlacementMode = "single" if k == 1 else "split"
-            why = (f"fits on cuda:{chosen[0].index}, the GPU with the most free memory, "
+            why = (f"fits on {chosen[0].device_id}, the GPU with the most free memory, "
                    f"with {headroom:.0%} headroom" if k == 1 else
                    f"fits on the {k} GPUs with the most free memory, split by free memory")
             return _placement(mode, chosen, usable, headroom, why), decision
     mode = "single" if len(ordered) == 1 else "split"
-    why = (f"fits on cuda:{ordered[0].index} with {headroom:.0%} headroom" if len(ordered) == 1
+    why = (f"fits on {ordered[0].device_id} with {headroom:.0%} headroom" if len(ordered) == 1
            else f"needs all {len(ordered)} GPUs, split by free memory")
     return _placement(mode, ordered, every, headroom, why), best
+
+
+# Better placements first: on whole GPUs, then split, then with layers in RAM.
+_MODE_RANK: dict[str, int] = {"single": 0, "split": 1, "offload": 2, "cpu": 3}
+
+
+def place_on_nodes(readings: Sequence[GpuReading], *, headroom: float, extra_reserve: int,
+                   plan: Plan) -> tuple[GpuPlacement, ContextDecision | None]:
+    """:func:`place` on each node's GPUs alone, and the best of them: a
+    llama.cpp worker runs on one machine, never split across machines.
+
+    Best: whole GPUs before a split before partial offload, then the larger
+    context, then the most free memory on the GPUs chosen. DoesNotFit when it
+    fits on no node (the last node's reason)."""
+    nodes: dict[str, list[GpuReading]] = {}
+    for r in readings:
+        nodes.setdefault(r.node, []).append(r)
+    if not nodes:
+        raise ValueError("place_on_nodes() needs at least one GPU reading")
+    found: list[tuple[tuple[int, int, int], GpuPlacement, ContextDecision | None]] = []
+    refusal: DoesNotFit | None = None
+    for node, ours in nodes.items():
+        try:
+            placed, decision = place(ours, headroom=headroom, extra_reserve=extra_reserve, plan=plan)
+        except DoesNotFit as exc:
+            refusal = exc
+            continue
+        n_ctx = decision.n_ctx if decision is not None else 0
+        rank = (_MODE_RANK[placed.mode], -n_ctx, -sum(placed.free_bytes))
+        found.append((rank, msgspec.structs.replace(placed, reason=f"node {node}: {placed.reason}"), decision))
+    if not found:
+        assert refusal is not None
+        raise refusal
+    _, placed, decision = min(found, key=lambda f: f[0])
+    return placed, decision

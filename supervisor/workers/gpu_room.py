@@ -6,11 +6,16 @@ should give back (supervisor/models/settle.py); it then places the load on
 the GPUs model workers may use now (supervisor/models/gpu_place.py). With no
 GPU in the lease the pool keeps its plain path: free RAM (or all visible GPU
 memory as one) through supervisor/models/placement.py.
+
+On a Ray cluster (``nodes``), the GPUs are the nodes' (node/cuda:N, read by
+their agents: supervisor/workers/cluster_nodes.py), and a load goes on one
+node (supervisor/models/gpu_place.py, ``place_on_nodes``). The settle wait
+does not run on nodes yet: a placement there reads what is free now.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,6 +28,7 @@ from supervisor.models.gpu_place import (
     GpuPlacement,
     Plan,
     place,
+    place_on_nodes,
     usable_bytes,
 )
 from supervisor.models.memfit import ContextDecision
@@ -49,6 +55,14 @@ def handle_key(h: WorkerHandle) -> tuple[str, bool]:
     return (h.spec.model_id, h.spec.embedding)
 
 
+class NodeReadings(Protocol):
+    """A cluster's GPUs (supervisor/workers/cluster_nodes.py)."""
+
+    def device_ids(self) -> list[str]: ...
+
+    def fresh_readings(self) -> Awaitable[list[GpuReading]]: ...
+
+
 def worker_devices(h: WorkerHandle) -> list[str]:
     """The lease devices a worker is placed on."""
     return list(h.spec.devices) or [h.spec.device]
@@ -58,21 +72,28 @@ def worker_devices(h: WorkerHandle) -> list[str]:
 class GpuRoom:
     """The lease's GPU devices as the pool places on them."""
 
-    settler: Settler
+    settler: Settler | None  # None on a cluster: no settle wait on nodes yet
     devices: Sequence[str]  # the lease's device ids; only ``cuda:N`` ones are GPUs
     admission: Admission
     headroom: float = DEFAULT_HEADROOM
+    nodes: NodeReadings | None = None  # a cluster's nodes: their GPUs instead of this machine's
 
     def gpu_devices(self) -> list[str]:
+        if self.nodes is not None:
+            return self.nodes.device_ids()
         return [d for d in self.devices if d.startswith("cuda:")]
 
     def enabled(self) -> bool:
-        return bool(self.gpu_devices())
+        # A cluster's nodes come and go: placement goes through them even before the first joins.
+        return self.nodes is not None or bool(self.gpu_devices())
 
     async def readings(self) -> list[GpuReading]:
         """The lease's GPUs as the driver reports them, once freed memory is back."""
-        ours = set(self.gpu_devices())
         try:
+            if self.nodes is not None:
+                return await self.nodes.fresh_readings()
+            ours = set(self.gpu_devices())
+            assert self.settler is not None
             await self.settler.wait()
             return [r for r in await self.settler.read() if r.device_id in ours]
         except DeviceReadError as exc:
@@ -82,6 +103,8 @@ class GpuRoom:
     async def open_readings(self) -> list[GpuReading]:
         """The GPUs model workers may use now; 503 naming the holder when none."""
         readings = await self.readings()
+        if not readings and self.nodes is not None:
+            raise Unavailable("no alive node of the cluster offers a GPU yet", retry_after=5, code="no_gpu_node")
         refused = {r.device_id: self.admission(r.device_id) for r in readings}
         open_ = [r for r in readings if refused[r.device_id] is None]
         if not open_:
@@ -92,9 +115,13 @@ class GpuRoom:
     async def ceiling(self, budget_bytes: int) -> int:
         """All GPU memory (less headroom and reserves), capped by the budget."""
         readings = await self.readings()
-        total = [GpuReading(index=r.index, uuid=r.uuid, name=r.name, free_bytes=r.total_bytes,
-                            total_bytes=r.total_bytes) for r in readings]
-        ceiling = usable_bytes(total, self.headroom, GPU_RUNTIME_RESERVE)
+        total = [msgspec.structs.replace(r, free_bytes=r.total_bytes) for r in readings]
+        # A load stays on one node: the largest node's memory is the most it can get.
+        by_node: dict[str, list[GpuReading]] = {}
+        for r in total:
+            by_node.setdefault(r.node, []).append(r)
+        ceiling = max((usable_bytes(rs, self.headroom, GPU_RUNTIME_RESERVE) for rs in by_node.values()),
+                      default=0)
         return min(ceiling, budget_bytes) if budget_bytes > 0 else ceiling
 
     def place_now(self, readings: Sequence[GpuReading], plan: Plan,
@@ -105,21 +132,22 @@ class GpuRoom:
         def capped(free: int) -> ContextDecision | None:
             return plan(free if budget_left is None else min(free, budget_left))
 
-        return place(readings, headroom=self.headroom, extra_reserve=GPU_RUNTIME_RESERVE, plan=capped)
+        where = place_on_nodes if self.nodes is not None else place
+        return where(readings, headroom=self.headroom, extra_reserve=GPU_RUNTIME_RESERVE, plan=capped)
 
     @staticmethod
     def less_planned(readings: Sequence[GpuReading],
                      planned: Sequence[tuple[GpuPlacement, int]]) -> list[GpuReading]:
         """``readings`` with the planned bytes of these placements taken off."""
-        used = per_gpu(planned)
-        return [msgspec.structs.replace(r, free_bytes=max(0, r.free_bytes - used.get(r.index, 0)))
+        used = per_device(planned)
+        return [msgspec.structs.replace(r, free_bytes=max(0, r.free_bytes - used.get(r.device_id, 0)))
                 for r in readings]
 
     async def expect_freed(self, victims: Sequence[tuple[GpuPlacement, int]]) -> None:
         """Workers on these placements (with the bytes each was planned to use)
         are about to stop: the settle wait will look for that memory."""
         freed = per_gpu(victims)
-        if freed:
+        if freed and self.settler is not None:
             before = await self.settler.read()
             self.settler.expect_freed(before, freed)
 
@@ -130,4 +158,14 @@ def per_gpu(planned: Sequence[tuple[GpuPlacement, int]]) -> dict[int, int]:
     for placed, needed in planned:
         for index, share in zip(placed.indices, placed.tensor_split or [1.0], strict=False):
             out[index] = out.get(index, 0) + int(needed * share)
+    return out
+
+
+def per_device(planned: Sequence[tuple[GpuPlacement, int]]) -> dict[str, int]:
+    """Planned bytes per device id (a node's GPU index is its own), a split
+    placement's shared by its split."""
+    out: dict[str, int] = {}
+    for placed, needed in planned:
+        for device, share in zip(placed.devices, placed.tensor_split or [1.0], strict=False):
+            out[device] = out.get(device, 0) + int(needed * share)
     return out

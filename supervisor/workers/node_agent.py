@@ -6,6 +6,8 @@ the node's half of a ``Started``: it starts ``python -m worker`` with the
 command line the parent built (launcher.worker_argv), in its own session
 and process group, with the allowlisted environment of this node plus the
 parent's pinned devices, its output appended to a log on this node; it
+reads this node's free memory (its GPUs through nvidia-smi, else its RAM)
+for the parent's lease and placement; it
 holds the worker's stdin (the secret is the first line, and the agent's
 end, when the parent's driver dies and Ray ends its actors, ends the
 worker), and it signals, measures and reaps the worker on the parent's
@@ -24,8 +26,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import psutil
 
 from supervisor.lab.job_process import child_environ
+from supervisor.models.devices import SmiSource
 from supervisor.workers.crash import log_size, read_log_tail
 from supervisor.workers.launcher import _open_log, _rss, kill_group_leftovers
 from worker import protocol as p
@@ -64,6 +70,18 @@ class NodeAgent:
         """This agent's process and its node-local directories."""
         return {"pid": os.getpid(), "run_dir": str(self.run_dir), "log_dir": str(self.log_dir),
                 "host": os.uname().nodename}
+
+    async def read_memory(self) -> dict[str, list[Any]]:
+        """This node's GPUs (``index, uuid, name, free, total`` in bytes, as
+        nvidia-smi reports them) and its RAM (free, total); no GPUs without
+        an NVIDIA driver. Plain lists: the parent builds its own readings."""
+        # Every GPU of the node: Ray hides them from this actor (it books none),
+        # and the parent pins the ones it places on for each worker itself.
+        readings = await asyncio.to_thread(SmiSource(environ={}).read)
+        ram = psutil.virtual_memory()
+        gpus: list[list[str | int]] = [[r.index, r.uuid, r.name, r.free_bytes, r.total_bytes] for r in readings]
+        return {"gpus": gpus,
+                "ram": [int(ram.available), int(ram.total)]}
 
     async def start(self, argv: list[str], extra_env: dict[str, str], secret: bytes, log_name: str,
                     own_python: bool) -> int:

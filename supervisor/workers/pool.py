@@ -7,6 +7,10 @@ it asks the lease (``admission``) whether model workers may run on the
 worker's devices; a new worker is placed on the GPUs no job holds
 (supervisor/workers/gpu_room.py) and booked on them in the lease.
 
+On a Ray cluster the GPUs are the nodes' (supervisor/workers/cluster_nodes.py):
+a node that leaves ends its workers with the reason, and their models are
+loaded again wherever there is room.
+
 What a load asks of a worker is worked out in supervisor/workers/launch_spec.py,
 how a request is queued on one in supervisor/workers/submit.py, and what the
 pool shows of its workers in supervisor/workers/views.py.
@@ -27,12 +31,14 @@ from supervisor.config import ModelSettings, parse_duration
 from supervisor.errors import ApiError, DeviceBusy, ModelFailed, ModelNotFound
 from supervisor.generation import sampling
 from supervisor.models.draft import SpeculativePlan, plan_speculative
-from supervisor.models.gpu_place import GpuPlacement
+from supervisor.models.gpu_place import DEFAULT_HEADROOM, GpuPlacement
+from supervisor.models.gpu_reading import device_node
 from supervisor.models.library import ModelEntry
 from supervisor.models.memfit import ContextDecision
 from supervisor.models.slots import SlotAsk, slot_ask
 from supervisor.models.source import LibrarySource
 from supervisor.workers import adapter_route, launch_spec, submit, views
+from supervisor.workers.cluster_nodes import ClusterNodes, NodeBook
 from supervisor.workers.connection import Endpoint
 from supervisor.workers.drafting import SpeculativeBook
 from supervisor.workers.gpu_room import (
@@ -46,7 +52,7 @@ from supervisor.workers.handle import WorkerHandle, WorkerState
 from supervisor.workers.crash_keys import KeyCrashes, crash_counts
 from supervisor.workers.poison import PoisonTracker
 from supervisor.workers.queue import Pending, WorkerGone
-from supervisor.workers.ray_launcher import launcher_for
+from supervisor.workers.ray_launcher import RayLauncher, launcher_for
 from supervisor.workers.replies import Generation, as_api_error
 from supervisor.workers.room import Room, holds_memory
 from supervisor.workers.spec import Timing
@@ -122,6 +128,13 @@ class WorkerPool:
         self.bookings = bookings
         # Where workers start: here (None: the handle's local launcher) or on a Ray cluster.
         self.launcher = launcher_for(cfg.ray_address, log_dir)
+        # On a cluster: its nodes' GPUs, in the lease and for placement.
+        self.cluster: ClusterNodes | None = None
+        self._replacing: set[asyncio.Task[None]] = set()
+        if isinstance(self.launcher, RayLauncher) and isinstance(bookings, NodeBook):
+            self.cluster = ClusterNodes(self.launcher, bookings, self._node_lost)
+            gpus = GpuRoom(None, (), admission, gpus.headroom if gpus is not None else DEFAULT_HEADROOM,
+                           nodes=self.cluster)
         self.room = Room(cfg, self.handles, self.fits, self._drop, self._changed, gpus=gpus,
                          placements=self.placements)
         # Observers of finished generations (metrics): called with (model, Done).
@@ -135,6 +148,8 @@ class WorkerPool:
 
     def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap_idle(), name="keep-alive")
+        if self.cluster is not None:
+            self.cluster.start()
 
     # ------------------------------------------------------------ loading
 
@@ -210,8 +225,13 @@ class WorkerPool:
         slots = self._slots(settings, embedding)
         await self.room.make_room_by_count(model_id)
         plan = plan or SpeculativePlan()
+        placing = asyncio.get_running_loop().time()
         decision, placed = await self.room.fit_placed(entry, settings, explicit_ctx, slots, embedding,
                                                       draft=plan)
+        if placed.node:
+            # On a cluster the readings come from the nodes' agents: how long that took is worth a line.
+            log.info("%s placed on %s in %.2fs: %s", model_id, ", ".join(placed.devices),
+                     asyncio.get_running_loop().time() - placing, placed.reason)
         spec = launch_spec.build_spec(key, entry, settings, decision, placed, plan, parallel=slots.base,
                                       n_threads=self.cfg.n_threads, default_ctx=self.cfg.n_ctx,
                                       device=self.device, pinned=self.room.gpus is not None,
@@ -287,6 +307,11 @@ class WorkerPool:
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
+        if self.cluster is not None:
+            await self.cluster.stop()
+        for task in self._replacing:
+            task.cancel()
+        await asyncio.gather(*self._replacing, return_exceptions=True)
         handles = list(self.handles.values())
         for key in list(self.handles):
             self._forget(key)
@@ -306,6 +331,31 @@ class WorkerPool:
             self._forget(key)
         await asyncio.gather(*(
             h.drain(drain_timeout if h.busy else 0.0, reason, "evicted") for _, h in victims))
+
+    def _node_lost(self, node: str, reason: str) -> None:
+        """A cluster node left: its workers end with the reason, and their
+        models are loaded again where there is room (a task the pool owns)."""
+        task = asyncio.create_task(self._replace(node, reason), name=f"node-lost:{node}")
+        self._replacing.add(task)
+        task.add_done_callback(self._replaced)
+
+    def _replaced(self, task: asyncio.Task[None]) -> None:
+        self._replacing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("placing the models of a lost node again failed", exc_info=task.exception())
+
+    async def _replace(self, node: str, reason: str) -> None:
+        keys = [k for k, h in self.handles.items() if any(device_node(d) == node for d in worker_devices(h))]
+        lost = [(k, h) for k in keys if (h := self._forget(k)) is not None]
+        self._signal()
+        await asyncio.gather(*(h.stop(reason, "node_lost") for _, h in lost))
+        for (model_id, embedding), _ in lost:
+            log.warning("%s%s: %s; loading it again where there is room", model_id,
+                        " (embedding)" if embedding else "", reason)
+            try:
+                await self.load(model_id, embedding)
+            except ApiError as exc:
+                log.warning("%s could not be loaded again after %s: %s", model_id, reason, exc.message)
 
     def _check_admission(self, handle: WorkerHandle | None) -> None:
         """503 naming the holder when a job holds (or frees) a device of the

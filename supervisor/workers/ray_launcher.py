@@ -10,12 +10,18 @@ of the workers' stdin close, and the workers exit. The worker dials back to
 the parent's listener over TCP (``worker_listen = "tcp:HOST"``) and proves
 the spawn's secret there, as on one machine.
 
-Placement, for now: the first alive node (in the order the cluster lists
-them) whose logical GPUs (``ray start --num-gpus``) number at least the
-worker's GPUs, and at least one: a node started with ``--num-gpus=0`` (a
-head that serves nothing) gets no worker. The lease still books this
-machine's device ids; devices named by node are the next step
-(docs/cluster.md).
+Placement is the parent's: a worker's devices name their node
+(``node-a/cuda:0``, supervisor/workers/cluster_nodes.py lists the nodes and
+their GPUs), and the launcher starts it on that node, pinned to those GPUs'
+indices there. A spec that names no node (devices of this machine) goes to
+the first alive node whose logical GPUs (``ray start --num-gpus``) number at
+least its GPUs, and at least one: a node started with ``--num-gpus=0`` (a
+head that serves nothing) gets no worker.
+
+A node's name is its ``gpuvisor-node`` label (``ray start --labels
+gpuvisor-node=node-a``), else its host name; a name another alive node has
+already gets the start of the node's id after it. A node keeps its name
+while it is alive.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor.models.gpu_reading import device_node
 from supervisor.workers.crash import worker_log_path
 from supervisor.workers.launcher import Launcher, worker_argv, worker_environ
 from supervisor.workers.spec import Timing, WorkerSpec
@@ -40,6 +47,8 @@ RSS_POLL_S = 0.25
 # Bounds on calls to an agent that should answer at once; an agent that
 # does not is on a node that is gone or stuck.
 AGENT_CALL_TIMEOUT = 30.0
+# A memory reading waits less: the next one comes within seconds.
+READ_TIMEOUT = 10.0
 # The exit status reported when the agent (its node) is gone: its workers
 # lost their stdin and were SIGKILLed or exited.
 GONE_STATUS = -signal.SIGKILL
@@ -47,10 +56,22 @@ GONE_STATUS = -signal.SIGKILL
 JOIN_TIMEOUT = 60.0
 # The signals the service stops and reloads on (supervisor/service/serving.py).
 SERVICE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# The node label that names a node in device ids.
+NAME_LABEL = "gpuvisor-node"
 
 
 class ClusterError(OSError):
     """The cluster could not place or start a worker (the handle retries)."""
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """An alive node as the cluster lists it: its id, its name in device ids,
+    and its logical GPUs (``ray start --num-gpus``)."""
+
+    node_id: str
+    name: str
+    gpus: int
 
 
 @dataclass
@@ -74,6 +95,10 @@ class RayLauncher:
         self._joining: asyncio.Future[Any] | None = None
         self._agents: dict[str, _Agent] = {}
         self._lock = asyncio.Lock()
+        # Node id -> its name, kept while the node is alive (device ids hold it).
+        self._names: dict[str, str] = {}
+        # The alive nodes by name, as last listed.
+        self._alive: dict[str, ClusterNode] = {}
 
     def log_path(self, spec: WorkerSpec) -> Path:
         # The worker's log lives on its node; its lines come back with a crash.
@@ -83,8 +108,12 @@ class RayLauncher:
                     stem: str) -> RayProcess:
         if "--tcp" not in address:
             raise ClusterError('workers on cluster nodes dial back over TCP: set worker_listen = "tcp:HOST"')
+        node = _spec_node(spec)
         async with self._lock:
-            agent = await self._agent(_gpus_needed(spec))
+            if node:
+                agent = await self._agent_on(await self._node_id(node))
+            else:
+                agent = await self._agent(_gpus_needed(spec))
         engine_socket = agent.run_dir / f"{stem}.e.sock"
         argv = worker_argv(spec, timing, address, engine_socket)
         log_name = self.log_path(spec).name
@@ -94,8 +123,8 @@ class RayLauncher:
         except ClusterError:
             self._forget(agent)
             raise
-        log.info("worker %s started on node %s (pid %d, agent pid %d)", spec.model_id, agent.node_id[:12],
-                 pid, agent.pid)
+        log.info("worker %s started on node %s (%s; pid %d, agent pid %d)", spec.model_id, agent.node_id[:12],
+                 self._names.get(agent.node_id, "?"), pid, agent.pid)
         return RayProcess(agent, pid, self._ray, lambda: self._forget(agent))
 
     def _forget(self, agent: _Agent) -> None:
@@ -136,9 +165,53 @@ class RayLauncher:
         self._ray = ray
         return ray
 
+    async def alive_nodes(self) -> list[ClusterNode]:
+        """The cluster's alive nodes, named (joining the cluster first)."""
+        ray = await self._connect()
+        listed: list[dict[str, Any]] = await _bounded(_in_daemon_thread(ray.nodes))
+        alive = [n for n in listed if n.get("Alive")]
+        ids = {str(n["NodeID"]) for n in alive}
+        self._names = {i: name for i, name in self._names.items() if i in ids}
+        nodes = []
+        for n in alive:
+            node_id = str(n["NodeID"])
+            if node_id not in self._names:
+                self._names[node_id] = _name_for(n, set(self._names.values()))
+            nodes.append(ClusterNode(node_id, self._names[node_id], int(float(n.get("Resources", {}).get("GPU", 0)))))
+        self._alive = {n.name: n for n in nodes}
+        for node_id in [i for i in self._agents if i not in ids]:
+            del self._agents[node_id]  # its node is gone, and the agent with it
+        return nodes
+
+    async def read_node(self, node_id: str) -> dict[str, Any]:
+        """The node agent's memory reading there (node_agent.NodeAgent.read_memory)."""
+        async with self._lock:
+            agent = await self._agent_on(node_id)
+        try:
+            reading: dict[str, Any] = await _bounded(agent.actor.read_memory.remote(), READ_TIMEOUT)
+        except ClusterError:
+            self._forget(agent)  # a new agent for the next call, if the node lives
+            raise
+        return reading
+
+    async def _node_id(self, name: str) -> str:
+        """The id of the alive node of this name (listed afresh if not known)."""
+        node = self._alive.get(name)
+        if node is None:
+            await self.alive_nodes()
+            node = self._alive.get(name)
+        if node is None:
+            raise ClusterError(f"node {name} is not in the cluster (alive: {', '.join(self._alive) or 'none'})")
+        return node.node_id
+
     async def _agent(self, gpus: int) -> _Agent:
         ray = await self._connect()
         node_id = _pick_node(await _bounded(_in_daemon_thread(ray.nodes)), gpus)
+        return await self._agent_on(node_id)
+
+    async def _agent_on(self, node_id: str) -> _Agent:
+        """The agent of this node, created there if it has none."""
+        ray = await self._connect()
         agent = self._agents.get(node_id)
         if agent is not None:
             return agent
@@ -261,6 +334,23 @@ def _restore(handlers: dict[signal.Signals, Any]) -> None:
             signal.signal(sig, handler)
 
 
+def _spec_node(spec: WorkerSpec) -> str:
+    """The node a spec's devices are on ("" for this machine's devices)."""
+    nodes = {device_node(d) for d in spec.devices}
+    if len(nodes) > 1:
+        raise ClusterError(f"a worker runs on one node; its devices are on {', '.join(sorted(nodes))}")
+    return nodes.pop() if nodes else ""
+
+
+def _name_for(node: dict[str, Any], taken: set[str]) -> str:
+    """A node's name in device ids: its label, else its host name; the start
+    of its id after it when another node has that name."""
+    labels = node.get("Labels") or {}
+    name = str(labels.get(NAME_LABEL) or node.get("NodeManagerHostname") or "node")
+    name = name.replace("/", "-")  # a device id's node ends at its slash
+    return f"{name}-{str(node['NodeID'])[:8]}" if name in taken else name
+
+
 def _gpus_needed(spec: WorkerSpec) -> int:
     return max(1, len(spec.gpu_indices or ()))
 
@@ -274,13 +364,13 @@ def _pick_node(nodes: list[dict[str, Any]], gpus: int) -> str:
     raise ClusterError(f"no alive node of the cluster ({alive} alive) has {gpus} GPU{'s' if gpus > 1 else ''}")
 
 
-async def _bounded(ref: Any) -> Any:
-    """Await a call to an agent, within AGENT_CALL_TIMEOUT; ClusterError when it fails or is late."""
+async def _bounded(ref: Any, timeout: float = AGENT_CALL_TIMEOUT) -> Any:
+    """Await a call to an agent, within ``timeout``; ClusterError when it fails or is late."""
     try:
-        async with asyncio.timeout(AGENT_CALL_TIMEOUT):
+        async with asyncio.timeout(timeout):
             return await ref
     except TimeoutError as exc:
-        raise ClusterError(f"the node agent did not answer within {AGENT_CALL_TIMEOUT:g}s") from exc
+        raise ClusterError(f"the node agent did not answer within {timeout:g}s") from exc
     except Exception as exc:
         if isinstance(exc, ClusterError):
             raise

@@ -50,18 +50,37 @@ function serviceCard(health, version, models) {
     h('dt', { text: 'Workers' }), h('dd', { text: String(health.workers?.length ?? 0) })));
 }
 
-function gpuCard(gpu) {
-  if (!gpu) return card('GPU lease', h('p', { class: 'muted', text: 'Loading…' }));
-  const devices = gpu.devices.map((d) => h('div', { class: 'device' },
+function deviceRow(d) {
+  return h('div', { class: 'device' },
     h('div', { class: 'row' },
       h('strong', { text: d.name || d.id }), h('span', { class: 'muted', text: d.id }),
       d.memory_total_mib ? h('span', { class: 'muted', text: formatBytes(d.memory_total_mib * 1048576) }) : null,
+      d.memory ? h('span', { class: 'muted', text: `${formatBytes(d.memory.free_mib * 1048576)} free` }) : null,
       h('span', { class: 'spacer' }), badge(d.state)),
     d.holder
       ? h('p', { class: 'small' }, `${d.state === 'holding' ? 'Held' : 'Being freed'} for `,
         h('a', { href: `#/jobs/${encodeURIComponent(d.holder.job_id)}`, text: d.holder.label || d.holder.job_id }),
         ` · ${formatDuration(d.holder.state_for_s)}`)
-      : h('p', { class: 'small muted', text: 'Free: model workers may use it.' })));
+      : h('p', { class: 'small muted', text: d.workers?.length
+        ? `Free for model workers; running: ${d.workers.join(', ')}.` : 'Free: model workers may use it.' }));
+}
+
+// With a cluster configured, each node's GPUs under its name, after this machine's own.
+function deviceGroups(devices) {
+  if (!devices.some((d) => d.node)) return devices.map(deviceRow);
+  const groups = new Map();
+  for (const d of devices) {
+    const key = d.node || '';
+    if (!groups.has(key)) groups.set(key, []);
+    groups.get(key).push(d);
+  }
+  return [...groups].map(([node, ds]) => h('div', { class: 'node-devices' },
+    h('h3', { text: node ? `Node ${node}` : 'This machine (jobs)' }), ds.map(deviceRow)));
+}
+
+function gpuCard(gpu) {
+  if (!gpu) return card('GPU lease', h('p', { class: 'muted', text: 'Loading…' }));
+  const devices = deviceGroups(gpu.devices);
   const waiters = gpu.waiters.length
     ? h('div', {}, h('h3', { text: 'Waiting' }), h('ul', { class: 'plain' }, gpu.waiters.map((w) => h('li', { class: 'small' },
       h('a', { href: `#/jobs/${encodeURIComponent(w.job_id)}`, text: w.label || w.job_id }),

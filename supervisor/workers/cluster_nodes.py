@@ -1,0 +1,144 @@
+"""The nodes of a Ray cluster as the lease and placement see them.
+
+With ``ray_address`` set, the pool keeps one ``ClusterNodes``: it lists the
+cluster's alive nodes (supervisor/workers/ray_launcher.py), asks each one's
+node agent for its memory (node_agent.NodeAgent.read_memory: nvidia-smi
+there), and keeps the lease's books in step (supervisor/lab/lease.py):
+
+- a node that joins adds its GPUs as ``node/cuda:N`` devices, as many as its
+  logical GPUs (``ray start --num-gpus``), in nvidia-smi's order;
+- a node that leaves (the cluster no longer lists it alive) takes its
+  devices out of the lease, and the pool is told (``on_lost``), so that its
+  workers there end with the reason and their models are placed again.
+
+It looks every ``poll_s`` seconds, and afresh before each placement. A node
+whose agent does not answer keeps its last reading until the cluster says
+whether it is alive: a slow answer is not a lost node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from supervisor.models.gpu_reading import DeviceReadError, GpuReading
+from supervisor.workers.ray_launcher import ClusterError, ClusterNode, RayLauncher
+
+log = logging.getLogger("gpuvisor.cluster")
+
+# How often the nodes are listed and read between placements.
+POLL_S = 2.0
+
+
+@runtime_checkable
+class NodeBook(Protocol):
+    """The lease's side: the devices of each node (supervisor/lab/lease.py)."""
+
+    def set_node(self, node: str, readings: Sequence[GpuReading]) -> list[str]: ...
+
+    def drop_node(self, node: str) -> list[str]: ...
+
+
+# Told (node name, reason) when a node left: its workers are gone.
+NodeLost = Callable[[str, str], None]
+
+
+class ClusterNodes:
+    def __init__(self, launcher: RayLauncher, book: NodeBook, on_lost: NodeLost, *,
+                 poll_s: float = POLL_S) -> None:
+        self.launcher = launcher
+        self.book = book
+        self.on_lost = on_lost
+        self.poll_s = poll_s
+        # Node name -> its GPUs as last read (the ones the lease has).
+        self.readings: dict[str, list[GpuReading]] = {}
+        # Nodes with logical GPUs but no GPU reading (no NVIDIA driver there), with the reason.
+        self.unread: dict[str, str] = {}
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self._last_error = ""
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._watch(), name="cluster-nodes")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def device_ids(self) -> list[str]:
+        return [r.device_id for rs in self.readings.values() for r in rs]
+
+    async def fresh_readings(self) -> list[GpuReading]:
+        """Every node's GPUs, read now (for a placement); DeviceReadError when
+        the cluster cannot be reached."""
+        try:
+            await self.refresh()
+        except ClusterError as exc:
+            raise DeviceReadError(f"cannot list the cluster's nodes: {exc}") from exc
+        return [r for rs in self.readings.values() for r in rs]
+
+    async def refresh(self) -> None:
+        """List the alive nodes, read them, and bring the lease's books in step."""
+        async with self._lock:
+            nodes = await self.launcher.alive_nodes()
+            alive = {n.name for n in nodes}
+            for name in [n for n in self.readings if n not in alive]:
+                self._lost(name, f"node {name} left the cluster")
+            serving = [n for n in nodes if n.gpus > 0]
+            read = await asyncio.gather(*(self._read(n) for n in serving))
+            for node, readings in zip(serving, read, strict=True):
+                if readings is not None:
+                    self._found(node.name, readings)
+
+    async def _read(self, node: ClusterNode) -> list[GpuReading] | None:
+        """The node's GPUs, up to its logical count; None when its agent did not answer."""
+        try:
+            got = await self.launcher.read_node(node.node_id)
+        except ClusterError as exc:
+            log.warning("node %s: no memory reading (%s); keeping its last one", node.name, exc)
+            return None
+        return node_readings(node, got)
+
+    def _found(self, name: str, readings: list[GpuReading]) -> None:
+        if not readings:
+            if name not in self.unread:
+                log.warning("node %s reports no GPU (no NVIDIA driver there): no worker is placed on it", name)
+            self.unread[name] = "no GPU reported by nvidia-smi"
+            if name in self.readings:
+                self._lost(name, f"node {name} no longer reports its GPUs")
+            return
+        self.unread.pop(name, None)
+        joined = self.book.set_node(name, readings)
+        self.readings[name] = readings
+        if joined:
+            log.info("node %s joined with %s", name, ", ".join(joined))
+
+    def _lost(self, name: str, reason: str) -> None:
+        self.readings.pop(name, None)
+        holders = self.book.drop_node(name)
+        log.warning("%s: its devices leave the lease (workers there: %s)", reason, ", ".join(holders) or "none")
+        self.on_lost(name, reason)
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+                self._last_error = ""
+            except ClusterError as exc:
+                # Said once per new error: a cluster down for an hour is one line.
+                if str(exc) != self._last_error:
+                    log.warning("cannot list the cluster's nodes: %s", exc)
+                    self._last_error = str(exc)
+            await asyncio.sleep(self.poll_s)
+
+
+def node_readings(node: ClusterNode, got: dict[str, Any]) -> list[GpuReading]:
+    """A node agent's answer as readings named by the node: its first
+    ``node.gpus`` GPUs (``--num-gpus`` caps how many gpuvisor uses there)."""
+    gpus = sorted(got.get("gpus") or [], key=lambda g: int(g[0]))
+    return [GpuReading(index=int(g[0]), uuid=str(g[1]), name=str(g[2]), free_bytes=int(g[3]),
+                       total_bytes=int(g[4]), node=node.name) for g in gpus[:node.gpus]]

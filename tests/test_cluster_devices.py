@@ -1,0 +1,182 @@
+"""Devices of a cluster's nodes, apart from Ray: the lease's books per node,
+placement on one node with room, a node's name and readings, and the node
+watch's join and leave (tests/test_ray_cluster.py runs them on a real cluster).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.config import ModelSettings
+from supervisor.lab.lease import GpuLease, cpu_device
+from supervisor.models.devices import MIB, GpuReading
+from supervisor.models.gguf_info import read_gguf_info
+from supervisor.models.gpu_place import place_on_nodes
+from supervisor.models.gpu_reading import device_node, local_id
+from supervisor.models.library import ModelEntry
+from supervisor.models.memfit import ContextDecision, DoesNotFit
+from supervisor.models.placement import GPU_RUNTIME_RESERVE, plan_load
+from supervisor.workers.cluster_nodes import ClusterNodes, node_readings
+from supervisor.workers.gpu_room import GpuRoom
+from supervisor.workers.ray_launcher import ClusterError, ClusterNode, _name_for
+from tests import gguf_headers as hdr
+
+GIB = 1024 * MIB
+
+
+def _gpu(node: str, index: int, free_gib: float, total_gib: int = 24) -> GpuReading:
+    return GpuReading(index=index, uuid=f"GPU-{node}-{index}", name="Sim", free_bytes=int(free_gib * GIB),
+                      total_bytes=total_gib * GIB, node=node)
+
+
+def test_device_ids_name_their_node_and_this_machine_stays_plain() -> None:
+    assert _gpu("node-a", 1, 1).device_id == "node-a/cuda:1"
+    assert GpuReading(index=0, uuid="u", name="n", free_bytes=1, total_bytes=2).device_id == "cuda:0"
+    assert device_node("node-a/cuda:1") == "node-a" and device_node("cuda:1") == "" and device_node("cpu") == ""
+    assert local_id("node-a/cuda:1") == "cuda:1" and local_id("cuda:1") == "cuda:1"
+
+
+def test_the_lease_books_a_nodes_devices_while_it_is_there() -> None:
+    lease = GpuLease([cpu_device()])
+    assert lease.set_node("node-a", [_gpu("node-a", 0, 10), _gpu("node-a", 1, 20)]) == [
+        "node-a/cuda:0", "node-a/cuda:1"]
+    assert lease.set_node("node-a", [_gpu("node-a", 0, 9), _gpu("node-a", 1, 20)]) == []  # nothing new
+    lease.set_node("node-b", [_gpu("node-b", 0, 5)])
+    assert lease.devices == ["cpu", "node-a/cuda:0", "node-a/cuda:1", "node-b/cuda:0"]
+    lease.book_worker("tiny", ["node-a/cuda:1"])
+    snap = {d["id"]: d for d in lease.snapshot()["devices"]}
+    assert snap["node-a/cuda:1"]["node"] == "node-a" and snap["node-a/cuda:1"]["workers"] == ["tiny"]
+    # Each node's own GPU 0, with its own memory (not matched by index across nodes).
+    assert snap["node-a/cuda:0"]["memory"]["free_mib"] == 9 * 1024
+    assert snap["node-b/cuda:0"]["memory"]["free_mib"] == 5 * 1024
+    assert snap["cpu"]["node"] is None
+    # Jobs run here: this machine's devices come first, and a node's is refused.
+    assert lease.preferred()[0] == "cpu"
+    with pytest.raises(ValueError, match="node-b/cuda:0 is on a cluster node"):
+        asyncio.run(lease.acquire_job("j1", "finetune", ["node-b/cuda:0"], 0))
+    with pytest.raises(ValueError, match="given as node"):
+        lease.set_node("node-b", [_gpu("node-a", 0, 1)])
+    # node-a leaves: its devices and the worker booked there go.
+    assert lease.drop_node("node-a") == ["tiny"]
+    assert lease.devices == ["cpu", "node-b/cuda:0"]
+    assert lease.worker_admission("node-a/cuda:1") == "device node-a/cuda:1 is not managed by this server"
+    assert all(d["workers"] == [] for d in lease.snapshot()["devices"])
+
+
+def _plan(tmp: Path) -> Any:
+    path = hdr.llama_gqa(tmp / "big.gguf")
+    entry = ModelEntry(id="big", path=str(path), files=[str(path)], size_bytes=8 * GIB, source="dir",
+                       root=str(tmp), mtime=0.0, info=read_gguf_info(path))
+
+    def plan(free: int) -> ContextDecision | None:
+        return plan_load(entry, ModelSettings(), explicit_ctx=False, target_ctx=4096, min_ctx=1024,
+                         free_bytes=free, memory_kind="gpu", slots=4)
+
+    return plan
+
+
+def test_a_model_goes_on_one_node_with_room_never_across_nodes(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    kw = {"headroom": 0.1, "extra_reserve": GPU_RUNTIME_RESERVE, "plan": plan}
+    # The 8 GiB model needs ~10.6 GiB: node-a's two 7 GiB GPUs together, or node-b's one 14 GiB GPU.
+    readings = [_gpu("node-a", 0, 7), _gpu("node-a", 1, 7), _gpu("node-b", 0, 14)]
+    placed, decision = place_on_nodes(readings, **kw)
+    assert placed.node == "node-b" and placed.devices == ["node-b/cuda:0"] and placed.mode == "single"
+    assert placed.indices == [0] and decision is not None and not decision.partial_offload
+    assert placed.reason.startswith("node node-b: fits on node-b/cuda:0")
+    # Of two nodes where it fits whole, the one with the most free memory.
+    placed, _ = place_on_nodes([_gpu("node-a", 0, 20), _gpu("node-b", 0, 14)], **kw)
+    assert placed.devices == ["node-a/cuda:0"]
+    # Only a split fits: on one node's GPUs, never node-a's with node-b's.
+    placed, _ = place_on_nodes([_gpu("node-a", 0, 7), _gpu("node-a", 1, 7), _gpu("node-b", 0, 5)], **kw)
+    assert placed.mode == "split" and placed.devices == ["node-a/cuda:0", "node-a/cuda:1"]
+    assert placed.indices == [0, 1] and placed.node == "node-a"
+
+
+class _Nodes:
+    def __init__(self, readings: list[GpuReading]) -> None:
+        self.readings = readings
+
+    def device_ids(self) -> list[str]:
+        return [r.device_id for r in self.readings]
+
+    async def fresh_readings(self) -> list[GpuReading]:
+        return self.readings
+
+
+async def test_a_load_too_big_for_any_one_node_does_not_fit(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    # 12 GiB in all, but 6 on each machine: the ceiling is one node's memory.
+    nodes = _Nodes([_gpu("node-a", 0, 6, total_gib=6), _gpu("node-b", 0, 6, total_gib=6)])
+    room = GpuRoom(None, (), lambda _d: None, 0.1, nodes=nodes)
+    assert room.enabled() and room.gpu_devices() == ["node-a/cuda:0", "node-b/cuda:0"]
+    assert await room.ceiling(0) < 6 * GIB
+    # Whole, it fits on neither node (the two are never pooled).
+    with pytest.raises(DoesNotFit):
+        room.place_now(nodes.readings, lambda free: _strict(plan, free), None)
+
+
+def _strict(plan: Any, free: int) -> ContextDecision | None:
+    """The plan, refusing partial offload (a placement that would put layers in RAM)."""
+    decision: ContextDecision | None = plan(free)
+    if decision is not None and decision.partial_offload:
+        raise DoesNotFit("only with layers in RAM", needed_bytes=decision.needed_bytes, free_bytes=free)
+    return decision
+
+
+def test_a_nodes_name_is_its_label_else_its_host_and_a_taken_name_gets_its_id() -> None:
+    node = {"NodeID": "abcdef0123456789", "NodeManagerHostname": "box", "Labels": {"gpuvisor-node": "node-a"}}
+    assert _name_for(node, set()) == "node-a"
+    assert _name_for({**node, "Labels": {}}, set()) == "box"
+    assert _name_for({**node, "Labels": {}}, {"box"}) == "box-abcdef01"
+
+
+def test_a_nodes_readings_are_its_first_logical_gpus() -> None:
+    got = {"gpus": [[1, "u1", "B", 2 * GIB, 24 * GIB], [0, "u0", "A", GIB, 24 * GIB]], "ram": [1, 2]}
+    readings = node_readings(ClusterNode("id", "node-a", 1), got)
+    assert [(r.device_id, r.name, r.free_bytes) for r in readings] == [("node-a/cuda:0", "A", GIB)]
+    assert node_readings(ClusterNode("id", "node-a", 0), got) == []
+
+
+class _Launcher:
+    """The cluster as the watch sees it: alive nodes and their agents' readings."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, tuple[int, float]] = {}  # name -> (logical GPUs, free GiB)
+        self.unanswered: set[str] = set()
+
+    async def alive_nodes(self) -> list[ClusterNode]:
+        return [ClusterNode(f"id-{n}", n, gpus) for n, (gpus, _) in self.nodes.items()]
+
+    async def read_node(self, node_id: str) -> dict[str, Any]:
+        name = node_id.removeprefix("id-")
+        if name in self.unanswered:
+            raise ClusterError("the node agent did not answer within 10s")
+        free = int(self.nodes[name][1] * GIB)
+        return {"gpus": [[0, f"u-{name}", "Sim", free, 24 * GIB]], "ram": [1, 2]}
+
+
+async def test_the_node_watch_adds_a_joining_node_and_drops_a_leaving_one() -> None:
+    lease = GpuLease([cpu_device()])
+    cluster = _Launcher()
+    lost: list[tuple[str, str]] = []
+    nodes = ClusterNodes(cluster, lease, lambda n, why: lost.append((n, why)))  # type: ignore[arg-type]
+    cluster.nodes = {"head": (0, 0), "node-a": (1, 8), "node-b": (1, 16)}
+    await nodes.refresh()
+    assert lease.devices == ["cpu", "node-a/cuda:0", "node-b/cuda:0"]  # the head has no GPU to offer
+    lease.book_worker("tiny", ["node-b/cuda:0"])
+    # An agent that does not answer keeps its node's last reading: slow is not lost.
+    cluster.unanswered = {"node-b"}
+    assert [r.free_bytes for r in await nodes.fresh_readings()] == [8 * GIB, 16 * GIB]
+    assert not lost
+    del cluster.nodes["node-b"]
+    await nodes.refresh()
+    assert lost == [("node-b", "node node-b left the cluster")]
+    assert lease.devices == ["cpu", "node-a/cuda:0"] and lease.workers_on()["node-a/cuda:0"] == []
+    cluster.nodes["node-c"] = (1, 4)
+    await nodes.refresh()
+    assert nodes.device_ids() == ["node-a/cuda:0", "node-c/cuda:0"]
