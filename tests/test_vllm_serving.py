@@ -1,5 +1,6 @@
 """A Hugging Face model served by a vLLM worker through the real server: its
-fit's KV budget, streamed deltas, cancel, parallel requests.
+fit's KV budget, streamed deltas, cancel, parallel requests, speculative
+decoding (vLLM's prompt lookup keeps the greedy text).
 
 One worker for the whole module: vLLM's start takes half a minute on the
 CPU. Needs the vLLM environment (``make install-vllm``) and the train extra
@@ -35,8 +36,10 @@ pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-vllm"
 # A PEFT adapter dir beside its base: served as MODEL:ADAPTER by the same worker.
 ADAPTER = "tiny-lora"
-# The same model as a Hub cache snapshot (listed by its repo id).
+# The same model as a Hub cache snapshot (listed by its repo id), set to
+# draft with vLLM's prompt lookup (n-grams) in the config file.
 HUB_MODEL = "lab/tiny-vllm-hub"
+DRAFT_MAX = 4
 # Long enough that a stream cancelled after its first chunk cannot have ended by itself.
 N_CTX = 16384
 
@@ -51,7 +54,9 @@ def srv() -> Iterator[Server]:
     put_in_hub_cache(models / MODEL, hub, HUB_MODEL)
     env = {"GPUVISOR_VLLM_PYTHON": VLLM_PYTHON, "GPUVISOR_PARALLEL": "2", "GPUVISOR_N_CTX": str(N_CTX),
            "HF_HUB_CACHE": str(hub)}
-    with running(Server(models, env=env, model=MODEL)) as server:
+    config = models.parent / f"{models.name}.toml"
+    config.write_text(f'[model_defaults."{HUB_MODEL}"]\nspeculative = "ngram"\ndraft_max = {DRAFT_MAX}\n')
+    with running(Server(models, env=env, model=MODEL, args=["--config", str(config)])) as server:
         r = httpx.post(f"{server.base_url}/api/models/{MODEL}/load", timeout=300)
         assert r.status_code == 200, r.text
         server.wait_worker(lambda w: w["state"] == "ready", timeout=240)
@@ -271,20 +276,42 @@ def test_embeddings_through_the_pooling_runner(srv: Server) -> None:
 
 
 @pytest.mark.timeout(START_S + 60)
-def test_a_hub_cache_snapshot_serves(srv: Server) -> None:
+def test_a_hub_cache_snapshot_serves_and_drafts_with_the_same_text(srv: Server) -> None:
     models = {m["id"]: m for m in httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"]}
     assert (models[HUB_MODEL]["engine"], models[HUB_MODEL]["state"]) == ("vllm", "unloaded"), models.get(HUB_MODEL)
     item = httpx.get(f"{srv.base_url}/api/models/{HUB_MODEL}", timeout=10).json()
     assert (item["kind"], item["source"], item["n_layer"]) == ("hf", "hf_cache", 2), item
+    # Repeats in the prompt and a long answer give prompt lookup n-grams to find.
+    body = {**_body(160, "one two three one two three one two three one two three"), "stream": False}
     try:
-        r = httpx.post(srv.base_url + "/v1/chat/completions",
-                       json={**_body(16), "stream": False, "model": HUB_MODEL}, timeout=START_S)
+        r = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "model": HUB_MODEL}, timeout=START_S)
         assert r.status_code == 200, r.text
-        # The same weights as MODEL's dir: greedy, the same answer.
-        same = httpx.post(srv.base_url + "/v1/chat/completions", json={**_body(16), "stream": False}, timeout=120)
+        # The same weights as MODEL's dir, which drafts nothing: greedy, the
+        # target verifies every drafted token, so the answer is the same.
+        same = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=120)
         assert r.json()["choices"][0]["message"]["content"] == same.json()["choices"][0]["message"]["content"]
+        assert r.json()["usage"]["completion_tokens"] == 160
+        # It did draft: vLLM's counts reach /api/models with the heartbeat.
+        state = srv.wait_worker(lambda w: bool(w["stats"]) and w["stats"]["draft_tokens"] > 0, HUB_MODEL,
+                                timeout=30)["stats"]
+        assert 0 <= state["draft_accepted"] <= state["draft_tokens"], state
+        shown = httpx.get(f"{srv.base_url}/api/models/{HUB_MODEL}", timeout=10).json()["speculative"]
+        assert (shown["mode"], shown["draft_max"], shown["error"]) == ("ngram", DRAFT_MAX, None), shown
+        assert shown["draft_tokens"] >= state["draft_tokens"], shown  # counts since the start, read later
+        assert srv.worker(MODEL)["stats"]["draft_tokens"] == 0
     finally:  # one vLLM worker less for the tests after this one
         httpx.post(f"{srv.base_url}/api/models/{HUB_MODEL}/unload", timeout=60)
+
+
+def test_a_draft_mode_vllm_does_not_offer_here_is_refused_before_any_start(srv: Server) -> None:
+    pid = srv.worker(MODEL)["pid"]
+    for body in ({"speculative": "draft", "draft_model": HUB_MODEL}, {"speculative": "mtp"}):
+        r = httpx.post(f"{srv.base_url}/api/models/{MODEL}/load", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["code"], err["param"]) == ("speculative_unavailable", "speculative"), err
+        assert "ngram" in err["message"], err
+    assert srv.worker(MODEL)["pid"] == pid and srv.worker(MODEL)["state"] == "ready"
 
 
 def test_last_the_engine_processes_die_with_the_parent(srv: Server) -> None:

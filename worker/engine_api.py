@@ -121,6 +121,13 @@ class Counters:
             else:
                 self.requests_done += 1
 
+    def drafted(self, drafted: int, accepted: int) -> None:
+        """Speculative decoding counted apart from requests (an engine that
+        reports drafting per step, not per request: vLLM)."""
+        with self.lock:
+            self.draft_tokens += drafted
+            self.draft_accepted += accepted
+
 
 class EngineApi(Protocol):
     """A loaded model, as ``WorkerServer`` uses it.

@@ -23,8 +23,14 @@ Embeddings: a worker loaded with ``--embedding`` runs vLLM's pooling runner
 last token's hidden state, normalised), one ``encode`` per input, all
 inputs of a call in flight together so vLLM batches them.
 
-What this engine does not do yet, and says so: images, speculative decoding, and a LoRA adapter at a ``lora_scale`` other than 1
-(vLLM applies an adapter as trained; 0 runs the base alone).
+Speculative decoding: vLLM's own (prompt lookup for ``ngram``, a draft
+model dir for ``draft``), mapped in worker/vllm_speculative.py; the draft's
+KV pages are part of the budget, and the drafting counters come from vLLM's
+scheduler stats.
+
+What this engine does not do yet, and says so: images, MTP drafting, and a
+LoRA adapter at a ``lora_scale`` other than 1 (vLLM applies an adapter as
+trained; 0 runs the base alone).
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ from worker.engine_api import Counters, Emit, EngineApi, EngineOptions, LoadErro
 from worker.images import ImageError, check_images, placements
 from worker.protocol import Delta, Done, Error, Generate, ModelFacts, Started
 from worker.vllm_params import MAX_LOGPROBS, logprobs, lora_rank, max_lora_rank, sampling
+from worker.vllm_speculative import Unsupported, draft_kv_bytes_per_token, speculative_config
+from worker.vllm_speculative import factory as draft_counter
 
 # vLLM spawns its engine core process; fork would copy our threads' state.
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -153,13 +161,15 @@ class _Request:
 
 def kv_budget(vllm_config: Any, n_ctx: int, parallel: int) -> int:
     """Bytes of KV pages for ``parallel`` sequences of ``n_ctx`` tokens, from
-    vLLM's own view of the model (layers, KV heads, head size, dtype)."""
+    vLLM's own view of the model (layers, KV heads, head size, dtype), and of
+    its draft model's when one drafts (their pages share the one budget)."""
     model = vllm_config.model_config
     block = int(vllm_config.cache_config.block_size or 16)
     layers = model.get_num_layers(vllm_config.parallel_config)
     per_token = 2 * layers * model.get_num_kv_heads(vllm_config.parallel_config) * model.get_head_size()
+    per_token_bytes = per_token * model.dtype.itemsize + draft_kv_bytes_per_token(vllm_config)
     pages = -(-n_ctx // block) * block * max(1, parallel)
-    return int(per_token * model.dtype.itemsize * pages)
+    return int(per_token_bytes * pages)
 
 
 class VllmEngine:
@@ -180,8 +190,9 @@ class VllmEngine:
         self._reaper = _GroupReaper()
         self._loop = _Loop()
         try:
-            self.llm, self.kv_bytes = self._loop.run(self._start(self._engine_args(opts)))
-        except (RuntimeError, ValueError, OSError, VLLMClientError) as exc:
+            args = self._engine_args(opts)
+            self.llm, self.kv_bytes = self._loop.run(self._start(args, self.counters))
+        except (RuntimeError, ValueError, OSError, VLLMClientError, Unsupported) as exc:
             self._loop.stop()
             self._reaper.stop()
             raise LoadError(f"cannot load {opts.model_path} with vLLM: {exc}") from exc
@@ -217,17 +228,22 @@ class VllmEngine:
             # Sampling defaults come from our request, never the model's generation_config.json.
             generation_config="vllm", max_logprobs=MAX_LOGPROBS,
             enable_lora=bool(opts.lora), max_loras=max(1, len(opts.lora)),
-            max_lora_rank=max_lora_rank(ranks), **pooling,
+            max_lora_rank=max_lora_rank(ranks),
+            # An embedding worker generates nothing, so nothing drafts.
+            speculative_config=None if opts.embedding else speculative_config(opts.speculative), **pooling,
         )
 
     @staticmethod
-    async def _start(args: AsyncEngineArgs) -> tuple[Any, int]:
+    async def _start(args: AsyncEngineArgs, counters: Counters | None = None) -> tuple[Any, int]:
         """AsyncLLM on this loop, with our exact KV budget (vLLM's engine
-        config first, for its block size and its view of the model)."""
+        config first, for its block size and its view of the model). With
+        drafting on and ``counters`` given, vLLM's per-step stats feed them;
+        otherwise vLLM keeps no stats at all."""
         config = args.create_engine_config()
         budget = kv_budget(config, args.max_model_len, args.max_num_seqs or 1)
         config.cache_config.kv_cache_memory_bytes = budget
-        return AsyncLLM.from_vllm_config(config, disable_log_stats=True), budget
+        loggers = [draft_counter(counters)] if counters is not None and config.speculative_config else None
+        return AsyncLLM.from_vllm_config(config, disable_log_stats=True, stat_loggers=loggers), budget
 
     # ---------------------------------------------------------- requests
 

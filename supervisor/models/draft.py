@@ -72,6 +72,11 @@ def plan_speculative(entry: ModelEntry, settings: ModelSettings, models: DraftSo
     low, high = settings.draft_lengths()
     if mode == "off":
         return SpeculativePlan()
+    if entry.kind == "hf" and mode != "ngram":
+        # vLLM drafts with a model dir of its own kind, which this plan (GGUF
+        # drafts, their headers' vocab and memory) does not size yet.
+        raise BadRequest(f"model '{entry.id}' runs in vLLM, where speculative = \"ngram\" is offered; "
+                         f"\"{mode}\" is not yet", param="speculative", code="speculative_unavailable")
     if mode == "mtp" and not has_mtp(entry):
         raise BadRequest(f"model '{entry.id}' has no MTP layers (its header sets no nextn_predict_layers); "
                          'use speculative = "draft" with a draft_model, or "ngram"',
