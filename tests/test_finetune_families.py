@@ -2,7 +2,8 @@
 answers: the job trains a LoRA adapter on every attention and MLP projection
 of the family (Phi-3's fused ones included), merges it, exports the merge,
 and the engine computes what HF computes with the merged weights, which in
-turn differ from the base's (so the training reached the file).
+turn differ from the base's (so the training reached the file). The adapter
+exported alone as a GGUF LoRA file adds up to the merge on the base's GGUF.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 
 pytest.importorskip("transformers", reason="needs the train extra")
 
 from jobs.finetune_params import FinetuneParams
+from jobs.hf_convert import convert
 from jobs.kinds import validate_params
 from jobs.params import ResolveContext
 from tests.jobsupport import running_lab, wait_finished
@@ -58,6 +61,10 @@ def sock_dir() -> Iterator[Path]:
     shutil.rmtree(path)
 
 
+def _tensors(path: Path) -> dict[str, np.ndarray[Any, Any]]:
+    return {t.name: np.array(t.data, dtype=np.float32) for t in gguf.GGUFReader(path).tensors}
+
+
 def _adapted_modules(adapter_dir: Path) -> set[str]:
     """The module names the adapter file holds LoRA weights for."""
     from safetensors import safe_open
@@ -79,6 +86,7 @@ async def test_a_finetune_of_each_family_exports_and_answers(tmp_path: Path, tok
             # Not named for the family: the engine takes a model named like
             # Phi-3 for Phi-3's own tokenizer and looks up tokens this one lacks.
             "export": {"outtype": "F32", "output_name": f"tuned-{list(FAMILIES).index(family)}"},
+            "export_adapter": True,
         }
         params = validate_params("finetune", raw, ResolveContext(lab.roots))
         assert isinstance(params, FinetuneParams)
@@ -101,3 +109,17 @@ async def test_a_finetune_of_each_family_exports_and_answers(tmp_path: Path, tok
     assert diff < _F32_TOL[family], f"{family}: the GGUF answers {diff} away from the fine-tuned model"
     assert json.loads((merged / "config.json").read_text())["architectures"] == \
         json.loads((base / "config.json").read_text())["architectures"]
+
+    # The adapter as a GGUF LoRA file, for serving on the base without a merge:
+    # the base's GGUF weights plus scale * B @ A are the merged GGUF's weights.
+    convert(base, tmp_path / "base.gguf", "F32", "base")
+    lora_file = Path(result["adapter_export"]["path"])
+    fields = {k: v.contents() for k, v in gguf.GGUFReader(str(lora_file)).fields.items()}
+    scale = fields["adapter.lora.alpha"] / 16  # lora_alpha 32 over the default rank 16
+    weights, tuned_w, lora = _tensors(tmp_path / "base.gguf"), _tensors(exported), _tensors(lora_file)
+    adapted = sorted(n.removesuffix(".lora_a") for n in lora if n.endswith(".lora_a"))
+    layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
+    assert len(adapted) == layers * len(_ADAPTED.get(family, _SPLIT))
+    for w in adapted:
+        applied = weights[w] + scale * lora[w + ".lora_b"] @ lora[w + ".lora_a"]
+        np.testing.assert_allclose(applied, tuned_w[w], atol=1e-4, err_msg=w)
