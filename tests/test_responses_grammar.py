@@ -88,15 +88,19 @@ def test_recursive_ref_terminates() -> None:
 # ---------------------------------------------- generation under the grammar
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The engine the worker runs, in-process, its listener on a private socket."""
+@pytest.fixture(scope="module", params=["spm", "bpe"])
+def llm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The engine the worker runs, in-process, its listener on a private socket;
+    on each of the test vocabs (SentencePiece, and byte-level BPE as real
+    models have), since a grammar meets the vocab's tokens, not the text."""
     import xllamacpp
 
     from supervisor.models.demo import write_tiny_gguf
     from tests.server import short_tempdir
+    from tests.tiny_bpe import write_tiny_bpe
 
-    path = write_tiny_gguf(Path(tmp_path_factory.mktemp("gram")) / "tiny.gguf")
+    folder = Path(tmp_path_factory.mktemp("gram"))
+    path = write_tiny_gguf(folder / "tiny.gguf") if request.param == "spm" else write_tiny_bpe(folder / "bpe.gguf")
     params = xllamacpp.CommonParams()
     params.model.path = str(path)
     params.n_ctx = 512
