@@ -1,5 +1,6 @@
-"""Jobs book only the devices they use: a quantize job runs on the CPU and
-books no GPU, so on a one-GPU box chat keeps being served while it runs.
+"""Jobs book only the devices they use: quantize, export and dataset jobs
+run on the CPU and book no GPU, so on a one-GPU box chat keeps being served
+while they run.
 
 The GPU is simulated by an ``nvidia-smi`` on the server's PATH that answers
 like a machine with one GPU; the engine is the real one on the CPU, which
@@ -8,6 +9,7 @@ ignores the CUDA variables: what is checked is what the lease books.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -23,6 +25,7 @@ from jobs.errors import ParamError
 from jobs.kinds import decode_params, kind_spec, stored_params
 from jobs.params import QuantizeParams
 from supervisor.models.demo import write_tiny_gguf
+from supervisor.models.demo_hf import write_tiny_hf
 from tests.jobsupport import running_lab, wait_finished
 from tests.server import Server, short_tempdir
 
@@ -63,26 +66,39 @@ def _job_process(server_pid: int, kind: str, timeout: float = 60) -> psutil.Proc
     raise TimeoutError(f"no {kind} job process appeared")
 
 
-def test_quantize_leaves_chat_serving_on_a_one_gpu_box(start_server: Callable[..., Server]) -> None:
-    models = short_tempdir("gvm")
+def _stage(kind: str, models: Path, datasets: Path) -> dict[str, object]:
+    """What a job of ``kind`` works on, put in place; its params."""
+    if kind == "quantize":
+        return {"model": "tiny", "type": "Q8_0", "output_name": "tiny-q8"}
+    if kind == "export":
+        write_tiny_hf(models / "tiny-twin")
+        return {"model": "tiny-twin", "outtype": "F16", "output_name": "twin"}
+    rows = "".join(json.dumps({"instruction": f"q{i}", "output": f"a{i}"}) + "\n" for i in range(200))
+    (datasets / "qa.jsonl").write_text(rows)
+    return {"input": "qa.jsonl", "eval_ratio": 0.1}
+
+
+@pytest.mark.parametrize("kind", ["quantize", "export", "dataset"])
+def test_cpu_jobs_leave_chat_serving_on_a_one_gpu_box(start_server: Callable[..., Server], kind: str) -> None:
+    models, datasets = short_tempdir("gvm"), short_tempdir("gvd")
     write_tiny_gguf(models / "tiny.gguf")
-    srv = start_server(models, env={"PATH": _one_gpu_path(), "GPUVISOR_PRELOAD": "tiny"})
+    params = _stage(kind, models, datasets)
+    srv = start_server(models, env={"PATH": _one_gpu_path(), "GPUVISOR_PRELOAD": "tiny",
+                                    "GPUVISOR_DATASETS_DIR": str(datasets)})
     assert _chat(srv).status_code == 200
     gpu = httpx.get(srv.base_url + "/api/gpu", timeout=10).json()
     assert [d["id"] for d in gpu["devices"]] == ["cuda:0"]
     worker_pid = srv.worker("tiny")["pid"]
     assert srv.worker("tiny")["devices"] == ["cuda:0"]
 
-    # Asking a quantize job for a GPU is refused, naming the field.
-    r = httpx.post(srv.base_url + "/api/jobs", timeout=30, json={
-        "kind": "quantize", "params": {"model": "tiny", "type": "Q8_0", "gpus": 1}})
+    # Asking such a job for a GPU is refused, naming the field.
+    r = httpx.post(srv.base_url + "/api/jobs", timeout=30, json={"kind": kind, "params": {**params, "gpus": 1}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "params.gpus", r.text
-    r = httpx.post(srv.base_url + "/api/jobs", timeout=30, json={
-        "kind": "quantize", "params": {"model": "tiny", "type": "Q8_0", "output_name": "tiny-q8"}})
+    r = httpx.post(srv.base_url + "/api/jobs", timeout=30, json={"kind": kind, "params": params})
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
     assert srv.proc is not None
-    proc = _job_process(srv.proc.pid, "quantize")
+    proc = _job_process(srv.proc.pid, kind)
     # Held still, so that the chats below surely run while the job does.
     os.killpg(proc.pid, signal.SIGSTOP)
     try:
