@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,7 +118,10 @@ async def _one(client: httpx.AsyncClient, url: str, tokens: int) -> Stream:
     return Stream(start, first if first is not None else end, end, count)
 
 
-async def _gpuvisor(base: str, streams: int, tokens: int) -> list[Stream]:
+async def openai_streams(base: str, streams: int, tokens: int) -> list[Stream]:
+    """``streams`` completions of ``tokens`` tokens at once from an OpenAI-style
+    server at ``base`` serving a model named MODEL (gpuvisor, or ``vllm serve``
+    with that served name: bench/vllm_serve.py)."""
     limits = httpx.Limits(max_connections=streams + 2)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         return list(await asyncio.gather(*(_one(client, base + "/v1/completions", tokens) for _ in range(streams))))
@@ -152,12 +156,13 @@ Results = dict[tuple[str, int], list[list[Stream]]]
 def _measure(base: str, direct: Direct, tokens: int, runs: int) -> Results:
     # Warm both (first requests pay one-time costs on either side).
     direct.run(1, 16)
-    asyncio.run(_gpuvisor(base, 1, 16))
+    asyncio.run(openai_streams(base, 1, 16))
     out: Results = {}
     for run in range(runs):
         for n in STREAMS:
-            sides = [("gpuvisor", lambda: asyncio.run(_gpuvisor(base, n, tokens))),
-                     ("AsyncLLM", lambda: direct.run(n, tokens))]
+            sides: list[tuple[str, Callable[[], list[Stream]]]] = [
+                ("gpuvisor", lambda: asyncio.run(openai_streams(base, n, tokens))),
+                ("AsyncLLM", lambda: direct.run(n, tokens))]
             for name, go in sides if run % 2 == 0 else reversed(sides):
                 got = go()
                 if any(s.tokens != tokens for s in got):
