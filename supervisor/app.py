@@ -9,6 +9,7 @@ before it still unwind.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -55,6 +56,7 @@ from supervisor.models.library import ModelLibrary
 from supervisor.models.source import LibrarySource, ensure_demo_model
 from supervisor.responses.hosted.settings import HostedSettings
 from supervisor.responses.store import RESPONSES_OWNER_SCHEMA
+from supervisor.sandbox.settings import open_pool
 from supervisor.workers.engine_check import EngineCheck
 from supervisor.workers.pool import WorkerPool
 from supervisor.workers.spec import Timing
@@ -284,7 +286,8 @@ def build_app(cfg: Config) -> web.Application:
                                max_iterations=cfg.hosted_max_iterations,
                                call_timeout_s=cfg.hosted_call_timeout_s,
                                total_timeout_s=cfg.hosted_total_timeout_s,
-                               suppress_duplicates=cfg.hosted_suppress_duplicates))
+                               suppress_duplicates=cfg.hosted_suppress_duplicates),
+                           open_containers=functools.partial(open_pool, cfg))
     app.cleanup_ctx.extend([auth.keys_ctx, metrics.observe_ctx])
     app.on_response_prepare.extend([logs.add_request_id, auth.security_headers])
     app.on_shutdown.append(shutdown.drain)

@@ -200,7 +200,6 @@ AGENTS = {
 HOSTED: list[dict[str, Any]] = [
     {"type": "web_search", "external_web_access": False},
     {"type": "file_search", "vector_store_ids": ["vs_1"]},
-    {"type": "code_interpreter", "container": {"type": "auto"}},
     {"type": "image_generation"},
     {"type": "local_shell"},
 ]

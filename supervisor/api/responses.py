@@ -20,7 +20,7 @@ from supervisor.errors import BadRequest
 from supervisor.responses.background import DEFAULT_PRUNE_INTERVAL_S, DEFAULT_RETENTION_S
 from supervisor.responses.events import Event
 from supervisor.responses.hosted.settings import HostedSettings
-from supervisor.responses.lifecycle import ResponsesApi
+from supervisor.responses.lifecycle import OpenContainers, ResponsesApi
 from supervisor.responses.models import CreateRequest, validate
 from supervisor.responses.service import DEFAULT_KEEPALIVE_S, ResponsesService, ResponseStream
 
@@ -197,12 +197,14 @@ def setup(
     prune_interval_s: float = DEFAULT_PRUNE_INTERVAL_S,
     keepalive_s: float = DEFAULT_KEEPALIVE_S,
     hosted: HostedSettings | None = None,
+    open_containers: OpenContainers | None = None,
 ) -> ResponsesApi:
     """Add the routes, the ``RESPONSES`` state and its cleanup context, which
     starts after the database and the pool (add it after their contexts) and
-    stops, cancelling background responses, before them."""
+    stops, cancelling background responses, before them. ``open_containers``
+    makes the code_interpreter's sandbox containers at start (none: it is off)."""
     api = ResponsesApi(retention_s=retention_s, prune_interval_s=prune_interval_s, keepalive_s=keepalive_s,
-                       hosted=hosted)
+                       hosted=hosted, open_containers=open_containers)
     app[RESPONSES] = api
     add_routes(app)
     app.cleanup_ctx.append(api.context)

@@ -5,7 +5,8 @@ a chat request lists functions only. The model is offered one flat list of
 functions: a namespaced one as ``namespace.name`` (templates and grammars
 know only flat names, and the dot keeps the grouping readable to the model),
 and a call to it comes back split again, with its ``namespace``. Hosted tools
-are never offered (nothing here runs them). ``allowed_tools`` narrows the
+are never offered as such: the ones the server runs (responses/hosted/) are
+offered as functions once they are set up, the others never. ``allowed_tools`` narrows the
 offered list itself, so the model cannot call, or even see, the others.
 """
 
@@ -59,6 +60,24 @@ class McpTool(msgspec.Struct, tag="mcp", tag_field="type", kw_only=True):
     allowed_callers: list[str] | None = None
 
 
+class CodeInterpreterAuto(msgspec.Struct, tag="auto", tag_field="type", kw_only=True):
+    """``container: {"type": "auto"}``: a container made for the calls (or
+    the one an earlier call of the conversation used, while it lives)."""
+
+    file_ids: list[str] | None = None
+    memory_limit: Literal["1g", "4g", "16g", "64g"] | None = None
+    # {"type": "disabled"} is what the sandbox has anyway; an allowlist is refused.
+    network_policy: dict[str, Any] | None = None
+
+
+class CodeInterpreterTool(msgspec.Struct, tag="code_interpreter", tag_field="type", kw_only=True):
+    """Python the server runs in a sandbox, when an admin enables it
+    (supervisor/responses/hosted/, supervisor/sandbox/); never offered as is.
+    ``container``: a container id (``cntr_...``) or ``{"type": "auto"}``."""
+
+    container: str | CodeInterpreterAuto
+
+
 class HostedTool(msgspec.Struct):
     """A tool OpenAI runs on its side (search, code, images, MCP, shells...).
 
@@ -80,12 +99,20 @@ def _hosted_struct(tool_type: str) -> type[HostedTool]:
     return cast(type[HostedTool], msgspec.defstruct(name, [], bases=(HostedTool,), tag=tool_type, tag_field="type"))
 
 
-_HOSTED_STRUCTS = tuple(_hosted_struct(t) for t in HOSTED_TOOL_TYPES if t != "mcp")
+# The hosted tools the server can run (responses/hosted/) have their own Structs.
+RUN_HERE = ("mcp", "code_interpreter")
+_HOSTED_STRUCTS = tuple(_hosted_struct(t) for t in HOSTED_TOOL_TYPES if t not in RUN_HERE)
 
 if TYPE_CHECKING:
-    RequestTool = FunctionTool | NamespaceTool | McpTool | HostedTool
+    RequestTool = FunctionTool | NamespaceTool | McpTool | CodeInterpreterTool | HostedTool
 else:
-    RequestTool = Union[(FunctionTool, NamespaceTool, McpTool, *_HOSTED_STRUCTS)]
+    RequestTool = Union[(FunctionTool, NamespaceTool, McpTool, CodeInterpreterTool, *_HOSTED_STRUCTS)]
+
+
+def runs_here(tool: RequestTool) -> bool:
+    """A hosted tool the server runs itself (its calls and choice are resolved
+    once the tool is set up, in responses/hosted/)."""
+    return isinstance(tool, McpTool | CodeInterpreterTool)
 
 
 class NamedFunction(msgspec.Struct, tag="function", tag_field="type"):
@@ -101,7 +128,7 @@ class AllowedTools(msgspec.Struct, tag="allowed_tools", tag_field="type", kw_onl
 
 class HostedChoice(msgspec.Struct, omit_defaults=True, kw_only=True):
     """A tool_choice naming a hosted tool (``{"type": "mcp", "server_label": ...}``,
-    ``{"type": "web_search"}``): only ``mcp`` runs here (responses/hosted/)."""
+    ``{"type": "web_search"}``): those of RUN_HERE run here (responses/hosted/)."""
 
     server_label: str | None = None
     name: str | None = None
@@ -219,9 +246,11 @@ def resolve(functions: list[FunctionTool], choice: ToolChoice, *,
     if isinstance(choice, HostedChoice):
         if choice.kind == "mcp":
             raise BadRequest("tool_choice names an MCP server, but tools has no mcp tool", param=param)
+        if choice.kind in RUN_HERE:
+            raise BadRequest(f"tool_choice names the {choice.kind} tool, but tools has none", param=f"{param}.type")
         raise BadRequest(f"tool_choice {choice.kind!r}: the hosted {choice.kind} tool is not enabled on this "
-                         "server (of the hosted tools, only mcp runs here)", param=f"{param}.type",
-                         code="hosted_tool_unavailable")
+                         f"server (of the hosted tools, only {' and '.join(RUN_HERE)} run here)",
+                         param=f"{param}.type", code="hosted_tool_unavailable")
     if isinstance(choice, AllowedTools):
         return _narrow(functions, namespaces, choice, param)
     if isinstance(choice, NamedFunction):

@@ -9,12 +9,14 @@ call. ``developer`` maps to ``system``, which every template knows.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from supervisor.errors import BadRequest
 from supervisor.generation.images import Images, decode_data_url
 from supervisor.generation.tools import FunctionTool
 from supervisor.responses.items import (
+    CodeInterpreterCallItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     InputImage,
@@ -85,14 +87,18 @@ class _Turns:
             )
         self.messages.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id, name=name))
 
-    def add_hosted_call(self, item: McpCallItem) -> None:
+    def add_hosted_call(self, item: McpCallItem | CodeInterpreterCallItem) -> None:
         """A call the server ran: the assistant's call, then its result, as for a function."""
         msg = self._assistant()
         self._take_reasoning(msg)
-        call = {"id": item.id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+        if isinstance(item, CodeInterpreterCallItem):
+            # The function the model was offered (responses/hosted/code_interpreter.py).
+            name, arguments = "code_interpreter", json.dumps({"code": item.code or ""})
+        else:
+            name, arguments = item.name, item.arguments
+        call = {"id": item.id, "type": "function", "function": {"name": name, "arguments": arguments}}
         msg.tool_calls = [*(msg.tool_calls or []), call]
-        self.messages.append(ChatMessage(role="tool", content=item.result_text(), tool_call_id=item.id,
-                                         name=item.name))
+        self.messages.append(ChatMessage(role="tool", content=item.result_text(), tool_call_id=item.id, name=name))
 
     def add_reasoning(self, item: ReasoningItem) -> None:
         self._pending_reasoning.append(item.text())
@@ -123,7 +129,7 @@ def to_messages(
                 turns.add_output(item, param)
             case ReasoningItem():
                 turns.add_reasoning(item)
-            case McpCallItem():
+            case McpCallItem() | CodeInterpreterCallItem():
                 turns.add_hosted_call(item)
             case McpListToolsItem():
                 pass  # the tools it lists are offered as functions, not rendered as a turn

@@ -29,6 +29,7 @@ import msgspec
 
 from supervisor.generation.pieces import Piece, Reasoning, Text, ToolCall
 from supervisor.responses.items import (
+    CodeInterpreterCallItem,
     FunctionCallItem,
     Item,
     MessageItem,
@@ -265,11 +266,23 @@ class EventBuilder:
         item = self.hosted.call_item(call)
         index = self.add_item(item)
         common = {"item_id": item.id, "output_index": index}
-        out = [
-            self._event("response.output_item.added", output_index=index, item=msgspec.structs.replace(item)),
-            self._event("response.mcp_call_arguments.delta", delta=call.arguments, **common),
-            self._event("response.mcp_call_arguments.done", arguments=call.arguments, **common),
-        ]
+        out: list[Event]
+        if isinstance(item, CodeInterpreterCallItem):
+            # As OpenAI streams it: the call is in progress, then its code.
+            code = item.code or ""
+            out = [
+                self._event("response.output_item.added", output_index=index,
+                            item=msgspec.structs.replace(item, code="", status="in_progress")),
+                self._event("response.code_interpreter_call.in_progress", **common),
+                self._event("response.code_interpreter_call_code.delta", delta=code, **common),
+                self._event("response.code_interpreter_call_code.done", code=code, **common),
+            ]
+        else:
+            out = [
+                self._event("response.output_item.added", output_index=index, item=msgspec.structs.replace(item)),
+                self._event("response.mcp_call_arguments.delta", delta=call.arguments, **common),
+                self._event("response.mcp_call_arguments.done", arguments=call.arguments, **common),
+            ]
         if not call.complete:
             out.append(self._event("response.output_item.done", output_index=index, item=item))
         return out

@@ -164,7 +164,41 @@ class McpCallItem(msgspec.Struct, tag="mcp_call", tag_field="type", kw_only=True
         return "error: the call did not finish"
 
 
-Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | McpListToolsItem | McpCallItem
+class CodeLogs(msgspec.Struct, tag="logs", tag_field="type"):
+    logs: str
+
+
+class CodeImage(msgspec.Struct, tag="image", tag_field="type"):
+    url: str
+
+
+CodeStatus = Literal["in_progress", "completed", "incomplete", "interpreting", "failed"]
+
+
+class CodeInterpreterCallItem(msgspec.Struct, tag="code_interpreter_call", tag_field="type", kw_only=True):
+    """Python the server ran in a sandbox container (responses/hosted/),
+    as the SDK's ``ResponseCodeInterpreterToolCall``."""
+
+    container_id: str
+    code: str | None = None
+    outputs: list[CodeLogs | CodeImage] | None = None
+    status: CodeStatus = "completed"
+    id: str = ""
+
+    def result_text(self) -> str:
+        """What the model reads back: the logs (images are named in them)."""
+        if self.outputs:
+            logs = "".join(o.logs for o in self.outputs if isinstance(o, CodeLogs))
+            images = sum(isinstance(o, CodeImage) for o in self.outputs)
+            shown = f"[{images} image(s) shown to the user]\n" if images else ""
+            return (logs + shown) or "(no output)"
+        if self.status == "failed":
+            return "error: the code could not be run"
+        return "error: the call did not finish"
+
+
+Item = (MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | McpListToolsItem | McpCallItem
+        | CodeInterpreterCallItem)
 
 _ID_PREFIX: dict[type[Any], str] = {
     MessageItem: "msg",
@@ -173,6 +207,7 @@ _ID_PREFIX: dict[type[Any], str] = {
     ReasoningItem: "rs",
     McpListToolsItem: "mcpl",
     McpCallItem: "mcp",
+    CodeInterpreterCallItem: "ci",
 }
 
 

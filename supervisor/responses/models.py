@@ -20,11 +20,11 @@ from supervisor.generation.images import Images
 from supervisor.generation.template_vars import checked_kwargs
 from supervisor.generation.tools import (
     FunctionTool,
-    McpTool,
     Offer,
     RequestTool,
     ToolChoice,
     offer,
+    runs_here,
 )
 from supervisor.responses.items import (
     InputImage,
@@ -194,8 +194,9 @@ def validate(body: CreateRequest) -> ValidRequest:
     check_images(items)
     if not items and body.previous_response_id is None:
         raise BadRequest("input is required", param="input")
-    # MCP tools are known once their servers are listed (responses/hosted/): the choice is resolved then.
-    hosted = any(isinstance(t, McpTool) for t in body.tools)
+    # Hosted tools are known once they are set up (an MCP server listed, a
+    # container found; responses/hosted/): the choice is resolved then.
+    hosted = any(runs_here(t) for t in body.tools)
     offered = offer(body.tools, "auto" if hosted else body.tool_choice)
     checked_kwargs(body.chat_template_kwargs, body.enable_thinking)
     if body.background and not body.store:

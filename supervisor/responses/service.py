@@ -20,7 +20,7 @@ from typing import Literal
 
 import msgspec
 
-from supervisor.generation.tools import PlanChoice
+from supervisor.generation.tools import PlanChoice, runs_here
 from supervisor.errors import (
     ApiError,
     BadRequest,
@@ -47,8 +47,9 @@ from supervisor.responses.runner import (
     plan,
     run,
 )
+from supervisor.responses.hosted.code_interpreter import Containers
 from supervisor.responses.hosted.loop import ToolLoop
-from supervisor.responses.hosted.session import HostedSession, mcp_tools, open_session, refuse_early
+from supervisor.responses.hosted.session import HostedSession, open_session, refuse_early
 from supervisor.responses.hosted.settings import HostedSettings
 from supervisor.responses.store import ResponseStore
 from supervisor.workers.crash_keys import CrashCooldown
@@ -80,9 +81,12 @@ class ResponsesService:
         keepalive_s: float = DEFAULT_KEEPALIVE_S,
         clock: Callable[[], float] = time.time,
         hosted: HostedSettings | None = None,
+        containers: Containers | None = None,
     ) -> None:
         self.pool = pool
         self.hosted = hosted or HostedSettings()
+        # The code_interpreter's sandbox containers, or why there are none.
+        self.containers = containers or Containers()
         self.store = store
         self.background = background
         self.keepalive_s = keepalive_s
@@ -157,17 +161,18 @@ class ResponsesService:
         ``owner``: the API key id creating it (None: the admin, or auth off)."""
         history = await self._history(valid.body, owner)
         resp = new_response(valid.body, self._clock(), "in_progress")
-        valid, session = await self._hosted(valid, history)
+        valid, session = await self._hosted(valid, history, owner)
         generation, outputs = await self._generation(valid, history, resp.id, self.keepalive_s)
         return ResponseStream(self._events(resp, valid, generation, outputs, owner, history, session), outputs)
 
     # ------------------------------------------------------- hosted tools
 
-    async def _hosted(self, valid: ValidRequest, history: list[Item]) -> tuple[ValidRequest, HostedSession | None]:
-        """The request with its hosted tools listed and offered (responses/hosted/), if it has any."""
-        if not mcp_tools(valid):
+    async def _hosted(self, valid: ValidRequest, history: list[Item],
+                      owner: str | None) -> tuple[ValidRequest, HostedSession | None]:
+        """The request with its hosted tools set up and offered (responses/hosted/), if it has any."""
+        if not any(runs_here(t) for t in valid.body.tools):
             return valid, None
-        return await open_session(valid, history, self.hosted)
+        return await open_session(valid, history, self.hosted, self.containers, owner)
 
     def _generated(self, resp: ResponseObject, valid: ValidRequest, history: list[Item], generation: Plan,
                    outputs: Outputs, session: HostedSession | None, builder: EventBuilder,
@@ -199,7 +204,7 @@ class ResponsesService:
         history = await self._history(valid.body, owner)
         resp = new_response(valid.body, self._clock(), "in_progress")
         builder = EventBuilder(resp, self._clock)
-        valid, session = await self._hosted(valid, history)
+        valid, session = await self._hosted(valid, history, owner)
         try:
             generation, outputs = await self._generation(valid, history, resp.id, None)
         except (ModelNotFound, Unavailable, BadRequest, CrashCooldown):
@@ -226,7 +231,7 @@ class ResponsesService:
         history = await self._history(valid.body, owner)
         # Reject a bad conversation (e.g. an output for an unknown call) now, as a 400.
         to_messages(history, valid.items, valid.body.instructions)
-        refuse_early(valid, self.hosted)
+        refuse_early(valid, self.hosted, self.containers, owner)
         self.background.check_capacity()
         resp = new_response(valid.body, self._clock(), "queued")
         builder = EventBuilder(resp, self._clock)
@@ -235,20 +240,20 @@ class ResponsesService:
         try:
             await log.add(builder.queued())
             queued = snapshot(resp)
-            self.background.submit(resp.id, self._run_background(resp, valid, history, builder, log))
+            self.background.submit(resp.id, self._run_background(resp, valid, history, builder, log, owner))
         except BaseException:
             await self.live.finish(resp.id)
             raise
         return queued
 
     async def _run_background(self, resp: ResponseObject, valid: ValidRequest, history: list[Item],
-                              builder: EventBuilder, log: LiveEvents) -> None:
+                              builder: EventBuilder, log: LiveEvents, owner: str | None) -> None:
         try:
             try:
                 # Stays queued until a slot frees (a cancel meanwhile is recorded below).
                 async with self.background.slot():
                     await self._mark_running(resp)
-                    await self._generate_into(log, resp, valid, history, builder)
+                    await self._generate_into(log, resp, valid, history, builder, owner)
             except asyncio.CancelledError:
                 if self.background.cancel_requested(resp.id):
                     builder.cancelled()
@@ -282,9 +287,9 @@ class ResponsesService:
             return
 
     async def _generate_into(self, log: LiveEvents, resp: ResponseObject, valid: ValidRequest,
-                             history: list[Item], builder: EventBuilder) -> None:
+                             history: list[Item], builder: EventBuilder, owner: str | None) -> None:
         try:
-            valid, session = await self._hosted(valid, history)
+            valid, session = await self._hosted(valid, history, owner)
             generation, outputs = await self._generation(valid, history, resp.id, None)
         except ApiError as exc:
             await log.add(builder.start())

@@ -20,6 +20,7 @@ from typing import Protocol
 from supervisor.generation.tools import FunctionTool
 from supervisor.responses.convert import template_tools
 from supervisor.responses.items import (
+    CodeInterpreterCallItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     Item,
@@ -47,6 +48,8 @@ def _text(item: Item) -> str:
             return item.offered_name + item.arguments
         case McpCallItem():
             return item.name + item.arguments + item.result_text()
+        case CodeInterpreterCallItem():
+            return (item.code or "") + item.result_text()
         case McpListToolsItem():
             return ""
 

@@ -21,10 +21,10 @@ import shutil
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from supervisor.sandbox.runner import RunResult, SandboxSpec, run_code
+from supervisor.sandbox.runner import RunResult, SandboxLimits, SandboxSpec, run_code
 
 MAX_FILE_NAME = 255
 MAX_LISTED_FILES = 64
@@ -70,6 +70,12 @@ class Container:
     path: Path
     last_used: float
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The API key that made it (None: the admin, or a service with no keys):
+    # only that key (and the admin) may run code in it.
+    owner: str | None = None
+
+    def usable_by(self, scope: str | None) -> bool:
+        return scope is None or self.owner == scope
 
     def files(self) -> tuple[list[FileInfo], bool]:
         """Regular files under the folder (no symlink followed), bounded;
@@ -126,7 +132,7 @@ class ContainerPool:
         if os.geteuid() == 0:
             os.chown(path, self.spec.uid, self.spec.gid)
 
-    def create(self) -> Container:
+    def create(self, owner: str | None = None) -> Container:
         self.expire()
         if len(self._containers) >= self.max_containers:
             raise PoolFull(f"too many containers ({self.max_containers}); reuse one or wait for one to expire")
@@ -135,13 +141,15 @@ class ContainerPool:
         path = self.root / cid
         path.mkdir(mode=0o700)
         self._own(path)
-        container = Container(cid, path, self._clock())
+        container = Container(cid, path, self._clock(), owner=owner)
         self._containers[cid] = container
         return container
 
-    def get(self, cid: str) -> Container:
+    def get(self, cid: str, scope: str | None = None) -> Container:
+        """The container ``cid``, if the caller ``scope`` may use it (another
+        key's container is unknown to it, as if it did not exist)."""
         container = self._containers.get(cid)
-        if container is None:
+        if container is None or not container.usable_by(scope):
             raise UnknownContainer(f"no container {cid[:80]!r} (it may have expired)")
         container.last_used = self._clock()
         return container
@@ -157,10 +165,13 @@ class ContainerPool:
         container.last_used = self._clock()
         return FileInfo(name, len(data))
 
-    async def run(self, container: Container, code: str) -> CodeRun:
+    async def run(self, container: Container, code: str, limits: SandboxLimits | None = None) -> CodeRun:
+        """Run ``code`` in the container (one run at a time); ``limits``
+        replace the pool's for this run."""
+        spec = self.spec if limits is None else replace(self.spec, limits=limits)
         async with container.lock:
             before, _ = _scan(container.path)
-            result = await run_code(self.spec, container.path, code)
+            result = await run_code(spec, container.path, code)
             container.last_used = self._clock()
             after, truncated = _scan(container.path)
             changed = [FileInfo(name, size) for name, (size, mtime) in sorted(after.items())
@@ -181,7 +192,7 @@ class ContainerPool:
     def remove(self, cid: str) -> None:
         container = self._containers.pop(cid, None)
         if container is not None:
-            _remove_tree(container.path)
+            remove_tree(container.path)
 
     def close(self) -> None:
         for cid in list(self._containers):
@@ -213,7 +224,7 @@ def _scan(root: Path) -> tuple[dict[str, tuple[int, int]], bool]:
     return found, False
 
 
-def _remove_tree(path: Path) -> None:
+def remove_tree(path: Path) -> None:
     """rmtree, also where the code took the permissions off a folder."""
     def give_back(func: Callable[[str], object], failed: str, _info: object) -> None:
         os.chmod(os.path.dirname(failed), 0o700)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 import signal
-from typing import Any
+from typing import Any, Literal
 
 from supervisor.sandbox.containers import CodeRun, Container, ContainerError
 
@@ -77,7 +77,7 @@ def call_outputs(run: CodeRun, container: Container, *, wall_s: float,
     return outputs
 
 
-def call_status(run: CodeRun) -> str:
+def call_status(run: CodeRun) -> Literal["completed", "incomplete", "failed"]:
     """``completed`` when the code ran to its end (even with an error of its
     own), ``incomplete`` when a limit ended it, ``failed`` when it never ran."""
     result = run.result

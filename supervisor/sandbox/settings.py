@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import re
 import sys
 from pathlib import Path
 
 from supervisor.config import Config
-from supervisor.sandbox.containers import ContainerPool
+from supervisor.sandbox.containers import ContainerPool, remove_tree
 from supervisor.sandbox.runner import SandboxLimits, SandboxSpec, probe
+
+log = logging.getLogger(__name__)
+
+_CONTAINER_NAME = re.compile(r"cntr_[0-9a-f]{32}")
 
 
 def hidden_paths(cfg: Config) -> tuple[str, ...]:
@@ -35,13 +42,29 @@ def containers_root(cfg: Config) -> Path:
     return Path(cfg.code_interpreter_dir) if cfg.code_interpreter_dir else cfg.state_path / "containers"
 
 
+def remove_leftovers(root: Path) -> list[str]:
+    """Remove the container folders a previous run of the service left
+    (their containers died with it); only names this pool makes."""
+    if not root.is_dir():
+        return []
+    gone = [entry for entry in root.iterdir()
+            if _CONTAINER_NAME.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()]
+    for entry in gone:
+        remove_tree(entry)
+    return [entry.name for entry in gone]
+
+
 async def open_pool(cfg: Config) -> tuple[ContainerPool | None, str | None]:
     """(the pool, None) when the tool is enabled and the sandbox works;
     (None, why not) otherwise, for the service to log and the API to name."""
     if not cfg.code_interpreter:
         return None, "code_interpreter is not enabled (setting code_interpreter)"
     spec = sandbox_spec(cfg)
-    pool = ContainerPool(containers_root(cfg), spec, max_containers=cfg.code_interpreter_max_containers,
+    root = containers_root(cfg)
+    left = await asyncio.to_thread(remove_leftovers, root)
+    if left:
+        log.info("removed %d container folders of an earlier run from %s", len(left), root)
+    pool = ContainerPool(root, spec, max_containers=cfg.code_interpreter_max_containers,
                          idle_s=cfg.code_interpreter_idle_s)
     trial = pool.create()
     try:
@@ -49,6 +72,8 @@ async def open_pool(cfg: Config) -> tuple[ContainerPool | None, str | None]:
     finally:
         pool.remove(trial.id)
     if reason is not None:
-        return None, f"code_interpreter cannot be enabled: {reason}"
+        reason = f"code_interpreter cannot be enabled: {reason}"
+        log.warning("%s; requests with the tool are refused", reason)
+        return None, reason
     return pool, None
 

@@ -1,11 +1,12 @@
 """The hosted-tool loop: generate, run the calls, generate again.
 
 One response, several generations. The first runs as any other (its
-events, then the calls it made to hosted tools: ``mcp_call`` items, in
-progress). Then each call runs (``response.mcp_call.in_progress``, then
-``completed`` or ``failed``), its result goes back to the model with the
-conversation so far, and the next generation starts, until one ends
-without a hosted call. Limits end it cleanly: after ``max_iterations``
+events, then the calls it made to hosted tools: ``mcp_call`` and
+``code_interpreter_call`` items, in progress). Then each call runs
+(``response.mcp_call.in_progress``, then ``completed`` or ``failed``;
+``response.code_interpreter_call.interpreting``, then ``completed``), its
+result goes back to the model with the conversation so far, and the next
+generation starts, until one ends without a hosted call. Limits end it cleanly: after ``max_iterations``
 generations with calls, or once the calls took ``total_timeout_s``, the
 model is told that the budget is spent and answers with no tools offered.
 A cancelled response (the client left, a background cancel) cancels the
@@ -22,8 +23,8 @@ from typing import Any
 from supervisor.errors import ApiError
 from supervisor.generation.tools import PlanChoice
 from supervisor.responses.events import Event, EventBuilder
-from supervisor.responses.hosted.session import HostedSession, parsed_arguments
-from supervisor.responses.items import Item, McpCallItem, MessageItem, normalize
+from supervisor.responses.hosted.session import HostedCall, HostedSession, parsed_arguments
+from supervisor.responses.items import CodeInterpreterCallItem, Item, McpCallItem, MessageItem, normalize
 from supervisor.responses.runner import GenerationPool, Outputs, Plan, run
 
 # Plan and queue the next generation of the response, given the output so far.
@@ -38,7 +39,8 @@ class ToolLoop:
         self.session = session
         self._clock = clock
         self._spent_s = 0.0
-        self._results: dict[tuple[str, str, str], McpCallItem] = {}
+        # Calls run so far, by what they ask: a repeat gets the same result.
+        self._results: dict[tuple[str, str, str], HostedCall] = {}
 
     async def events(self, pool: GenerationPool, model: str, builder: EventBuilder, first: tuple[Plan, Outputs],
                      generate: NextGeneration, *, request_id: str = "",
@@ -94,42 +96,75 @@ class ToolLoop:
             builder.event("response.output_item.done", output_index=index, item=item),
         ]
 
-    async def _run_call(self, builder: EventBuilder, call: McpCallItem) -> AsyncGenerator[Event, None]:
+    async def _run_call(self, builder: EventBuilder, call: HostedCall) -> AsyncGenerator[Event, None]:
         index = builder.response.output.index(call)
         common = {"item_id": call.id, "output_index": index}
-        yield builder.event("response.mcp_call.in_progress", **common)
+        if isinstance(call, CodeInterpreterCallItem):
+            call.status = "interpreting"
+            yield builder.event("response.code_interpreter_call.interpreting", **common)
+        else:
+            yield builder.event("response.mcp_call.in_progress", **common)
         try:
             await self._result(call)
         except asyncio.CancelledError:
             # The response was cancelled (or its client left) while the call ran.
             call.status = "incomplete"
             raise
-        call.status = "failed" if call.error is not None else "completed"
-        yield builder.event(f"response.mcp_call.{call.status}", **common)
+        if isinstance(call, CodeInterpreterCallItem):
+            # The SDK has no event for a run a limit ended: the item's status says it.
+            if call.status == "completed":
+                yield builder.event("response.code_interpreter_call.completed", **common)
+        else:
+            call.status = "failed" if call.error is not None else "completed"
+            yield builder.event(f"response.mcp_call.{call.status}", **common)
         yield builder.event("response.output_item.done", output_index=index, item=call)
 
-    async def _result(self, call: McpCallItem) -> None:
-        """Run ``call`` (or take an earlier identical call's result) into its item."""
+    def _limit_s(self) -> float:
         settings = self.session.settings
-        key = (call.server_label, call.name, call.arguments)
-        earlier = self._results.get(key) if settings.suppress_duplicates else None
+        return min(settings.call_timeout_s, max(0.0, settings.total_timeout_s - self._spent_s))
+
+    async def _result(self, call: HostedCall) -> None:
+        """Run ``call`` (or take an earlier identical call's result) into its item."""
+        key = _key(call)
+        earlier = self._results.get(key) if self.session.settings.suppress_duplicates else None
         if earlier is not None:
-            call.output, call.error = earlier.output, earlier.error
+            _copy_result(earlier, call)
             return
+        started = self._clock()
+        try:
+            if isinstance(call, CodeInterpreterCallItem):
+                assert self.session.code is not None
+                await self.session.code.run(call, self._limit_s())
+            else:
+                await self._mcp_result(call)
+        finally:
+            self._spent_s += self._clock() - started
+        self._results[key] = call
+
+    async def _mcp_result(self, call: McpCallItem) -> None:
         arguments = parsed_arguments(call)
         if arguments is None:
             call.error = {"type": "mcp_protocol_error", "code": -32602,
                           "message": "the arguments are not a JSON object"}
             return
         server = self.session.servers[call.server_label].server
-        limit = min(settings.call_timeout_s, max(0.0, settings.total_timeout_s - self._spent_s))
-        started = self._clock()
+        limit = self._limit_s()
         try:
             result = await asyncio.wait_for(server.call(call.name, arguments), limit)
             call.output, call.error = result.output, result.error
         except TimeoutError:
             call.error = {"type": "http_error", "code": 504,
                           "message": f"the call took longer than {limit:g} s and was stopped"}
-        finally:
-            self._spent_s += self._clock() - started
-        self._results[key] = call
+
+
+def _key(call: HostedCall) -> tuple[str, str, str]:
+    if isinstance(call, CodeInterpreterCallItem):
+        return ("code_interpreter", call.container_id, call.code or "")
+    return (call.server_label, call.name, call.arguments)
+
+
+def _copy_result(earlier: HostedCall, call: HostedCall) -> None:
+    if isinstance(earlier, CodeInterpreterCallItem) and isinstance(call, CodeInterpreterCallItem):
+        call.outputs, call.status = earlier.outputs, earlier.status
+    elif isinstance(earlier, McpCallItem) and isinstance(call, McpCallItem):
+        call.output, call.error = earlier.output, earlier.error

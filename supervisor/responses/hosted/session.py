@@ -1,10 +1,12 @@
-"""One response's MCP servers: checked, listed and offered as functions.
+"""One response's hosted tools: checked, set up and offered as functions.
 
 :func:`open_session` runs before the first generation: it refuses what
-this server does not do (approval flows, connectors) or may not reach
-(the allowlist) with a 400 naming the tool, lists each server's tools
-(or reuses an ``mcp_list_tools`` item the conversation already holds) and
-returns the request with those tools offered beside its functions.
+this server does not do (approval flows, connectors, a tool that is off)
+or may not reach (the allowlist) with a 400 naming the tool, lists each
+MCP server's tools (or reuses an ``mcp_list_tools`` item the conversation
+already holds), finds the code_interpreter's container
+(:mod:`.code_interpreter`) and returns the request with those tools
+offered beside its functions.
 """
 
 from __future__ import annotations
@@ -30,9 +32,17 @@ from supervisor.generation.tools import (
     resolve,
 )
 from supervisor.responses.hosted.addresses import checked_server_url, url_problem
+from supervisor.responses.hosted.code_interpreter import CodeSession, Containers, open_code, refuse_code
 from supervisor.responses.hosted.mcp_client import McpFailed, McpServer
 from supervisor.responses.hosted.settings import HostedSettings
-from supervisor.responses.items import Item, McpCallItem, McpListToolsItem, McpToolInfo, new_id
+from supervisor.responses.items import (
+    CodeInterpreterCallItem,
+    Item,
+    McpCallItem,
+    McpListToolsItem,
+    McpToolInfo,
+    new_id,
+)
 from supervisor.responses.models import ValidRequest
 
 
@@ -52,6 +62,10 @@ class ServerTools:
     listed: McpListToolsItem | None = None
 
 
+# The output item of a call the server runs.
+HostedCall = McpCallItem | CodeInterpreterCallItem
+
+
 @dataclass
 class HostedSession:
     """The hosted tools of one response, and the calls the model made to them."""
@@ -60,26 +74,32 @@ class HostedSession:
     servers: dict[str, ServerTools] = field(default_factory=dict)
     # Offered function name -> its server's label.
     owners: dict[str, str] = field(default_factory=dict)
-    pending: list[McpCallItem] = field(default_factory=list)
+    pending: list[HostedCall] = field(default_factory=list)
+    code: CodeSession | None = None
 
     def owns(self, name: str) -> bool:
-        return name in self.owners
+        return name in self.owners or (self.code is not None and name == self.code.name)
 
-    def call_item(self, call: ToolCall) -> McpCallItem:
+    def call_item(self, call: ToolCall) -> HostedCall:
         """The output item of a call the model made; a complete one waits to run."""
-        item = McpCallItem(server_label=self.owners[call.name], name=call.name, arguments=call.arguments,
-                           id=new_id("mcp"), status="in_progress" if call.complete else "incomplete")
+        item: HostedCall
+        if self.code is not None and call.name == self.code.name:
+            item = self.code.item(call)
+        else:
+            item = McpCallItem(server_label=self.owners[call.name], name=call.name, arguments=call.arguments,
+                               id=new_id("mcp"), status="in_progress" if call.complete else "incomplete")
         if call.complete:
             self.pending.append(item)
         return item
 
-    def take_pending(self) -> list[McpCallItem]:
+    def take_pending(self) -> list[HostedCall]:
         calls, self.pending = self.pending, []
         return calls
 
     def functions(self) -> list[FunctionTool]:
-        return [FunctionTool(name=t.name, description=t.description, parameters=_parameters(t.input_schema))
-                for s in self.servers.values() for t in s.tools]
+        mcp = [FunctionTool(name=t.name, description=t.description, parameters=_parameters(t.input_schema))
+               for s in self.servers.values() for t in s.tools]
+        return [*mcp, self.code.function()] if self.code is not None else mcp
 
     def listings(self) -> list[McpListToolsItem]:
         return [s.listed for s in self.servers.values() if s.listed is not None]
@@ -130,9 +150,11 @@ def _refuse(tool: McpTool, i: int, settings: HostedSettings) -> None:
                          param=f"{name}.require_approval")
 
 
-def refuse_early(valid: ValidRequest, settings: HostedSettings) -> None:
+def refuse_early(valid: ValidRequest, settings: HostedSettings, containers: Containers | None = None,
+                 owner: str | None = None) -> None:
     """The checks of :func:`open_session` that need no network (a background
     request answers them as a 400 before it is queued)."""
+    refuse_code(valid.body.tools, containers or Containers(), owner)
     for i, tool in mcp_tools(valid):
         _refuse(tool, i, settings)
         problem = url_problem(tool.server_url or "", settings.mcp_allowed_urls)
@@ -158,11 +180,14 @@ async def _list(server: McpServer, index: int) -> list[McpToolInfo]:
                             param=f"tools[{index}].server_url") from exc
 
 
-async def open_session(valid: ValidRequest, history: list[Item],
-                       settings: HostedSettings) -> tuple[ValidRequest, HostedSession]:
-    """The request with its MCP servers' tools offered, and the session
-    that runs their calls. Raises BadRequest / McpListFailed."""
+async def open_session(valid: ValidRequest, history: list[Item], settings: HostedSettings,
+                       containers: Containers | None = None,
+                       owner: str | None = None) -> tuple[ValidRequest, HostedSession]:
+    """The request with its hosted tools offered (its MCP servers' tools, the
+    code_interpreter), and the session that runs their calls. ``owner``: the
+    API key asking (None: the admin). Raises BadRequest / McpListFailed."""
     session = HostedSession(settings)
+    session.code = open_code(valid.body.tools, [*history, *valid.items], containers or Containers(), owner)
     entries = mcp_tools(valid)
     labels: set[str] = set()
     for i, tool in entries:
@@ -190,6 +215,9 @@ async def open_session(valid: ValidRequest, history: list[Item],
 def _with_offer(valid: ValidRequest, session: HostedSession) -> ValidRequest:
     base = offer(valid.body.tools, "auto")
     taken = {fn.name for fn in base.functions}
+    if session.code is not None and session.code.name in taken:
+        raise BadRequest(f"a function is named {session.code.name!r}, as the code_interpreter tool is offered; "
+                         "rename it", param="tools")
     for label, server in session.servers.items():
         for tool in server.tools:
             if tool.name in taken:
@@ -203,7 +231,10 @@ def _with_offer(valid: ValidRequest, session: HostedSession) -> ValidRequest:
 
 
 def _choice(choice: ToolChoice, session: HostedSession) -> ToolChoice:
-    """An ``mcp`` tool_choice in function terms: its one tool, else any tool of its server."""
+    """A hosted tool_choice in function terms: code_interpreter's function;
+    an ``mcp`` one's tool, else any tool of its server."""
+    if isinstance(choice, HostedChoice) and choice.kind == "code_interpreter" and session.code is not None:
+        return NamedFunction(session.code.name)
     if not isinstance(choice, HostedChoice) or choice.kind != "mcp":
         return choice
     label = choice.server_label

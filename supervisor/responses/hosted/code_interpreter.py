@@ -1,0 +1,219 @@
+"""The ``code_interpreter`` tool of one response: its container and its runs.
+
+The model is offered one function, ``code_interpreter(code)``. A call runs
+the code in the sandbox (supervisor/sandbox/) in the response's container:
+the one the tool names (``container: "cntr_..."``), or with
+``container: {"type": "auto"}`` the one an earlier call of the conversation
+used while it lives, else a new one, made at the first call. Its logs (and
+images) become the ``code_interpreter_call`` item's outputs, which the
+model reads back. Off until an admin enables it (``code_interpreter``) and
+the sandbox works on this host; otherwise a request with the tool is a 400
+that says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from supervisor.errors import BadRequest
+from supervisor.generation.pieces import ToolCall
+from supervisor.generation.tools import CodeInterpreterAuto, CodeInterpreterTool, FunctionTool
+from supervisor.responses.items import (
+    CodeImage,
+    CodeInterpreterCallItem,
+    CodeLogs,
+    Item,
+    new_id,
+)
+from supervisor.sandbox.containers import Container, ContainerError, ContainerPool
+from supervisor.sandbox.outputs import call_outputs, call_status
+
+log = logging.getLogger(__name__)
+
+# The function the model calls. Qwen-Agent and others name their Python tool
+# so; "python" would clash with more clients' own functions.
+CODE_FUNCTION = "code_interpreter"
+DESCRIPTION = ("Run Python 3 code in a sandbox and read what it prints (stdout and stderr) back. "
+               "The sandbox has no network. The working folder keeps its files from one call to the "
+               "next in this conversation; images written there (.png, .jpg) are shown to the user. "
+               "Print the values you need.")
+PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"code": {"type": "string", "description": "The Python code to run."}},
+    "required": ["code"],
+    "additionalProperties": False,
+}
+# An image a run writes is stored in the response as a data URL: bounded so
+# a few plots fit, not a folder of photos.
+MAX_IMAGE_BYTES = 1 << 20
+_MEMORY_LIMITS_MIB = {"1g": 1024, "4g": 4096, "16g": 16384, "64g": 65536}
+
+
+@dataclass
+class Containers:
+    """The service's code_interpreter: its containers, or why there are none."""
+
+    pool: ContainerPool | None = None
+    unavailable: str = "code_interpreter is not enabled (setting code_interpreter)"
+
+
+def code_tools(tools: list[Any]) -> list[tuple[int, CodeInterpreterTool]]:
+    return [(i, t) for i, t in enumerate(tools) if isinstance(t, CodeInterpreterTool)]
+
+
+def refuse_code(tools: list[Any], containers: Containers, owner: str | None) -> None:
+    """The 400s of a request's code_interpreter tool: off here, files asked
+    for (none are stored here), more than one, a container it may not use."""
+    found = code_tools(tools)
+    for n, (i, tool) in enumerate(found):
+        if containers.pool is None:
+            raise BadRequest(f"code_interpreter tool tools[{i}]: {containers.unavailable}",
+                             param=f"tools[{i}].type", code="hosted_tool_unavailable")
+        if n > 0:
+            raise BadRequest("only one code_interpreter tool may be given", param=f"tools[{i}]")
+        match tool.container:
+            case CodeInterpreterAuto(file_ids=ids) if ids:
+                raise BadRequest(f"code_interpreter tool tools[{i}]: file_ids are not available here (no "
+                                 "files are stored); the code can write its own",
+                                 param=f"tools[{i}].container.file_ids")
+            case CodeInterpreterAuto(network_policy=policy) if policy and policy.get("type") != "disabled":
+                raise BadRequest(f"code_interpreter tool tools[{i}]: the sandbox has no network here; "
+                                 "network_policy may only be {\"type\": \"disabled\"}",
+                                 param=f"tools[{i}].container.network_policy")
+            case str() as cid:
+                try:
+                    containers.pool.get(cid, owner)
+                except ContainerError as exc:
+                    raise BadRequest(f"code_interpreter tool tools[{i}]: {exc}", param=f"tools[{i}].container",
+                                     code="container_not_found") from exc
+
+
+def code_of(arguments: str) -> str | None:
+    """The code of a call's arguments (``{"code": "..."}``), if they hold one."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return None
+    code = value.get("code") if isinstance(value, dict) else None
+    return code if isinstance(code, str) else None
+
+
+def _earlier_container(items: list[Item]) -> str | None:
+    ids = [it.container_id for it in items if isinstance(it, CodeInterpreterCallItem) and it.container_id]
+    return ids[-1] if ids else None
+
+
+@dataclass
+class CodeSession:
+    """One response's code_interpreter: the container its calls run in."""
+
+    pool: ContainerPool
+    owner: str | None
+    # The container the tool names; else the one an earlier call used (auto).
+    named: str | None = None
+    earlier: str | None = None
+    memory_mib: int | None = None
+    container: Container | None = None
+    # Calls that cannot run (no container, no code in the arguments): why.
+    problems: dict[str, str] = field(default_factory=dict)
+
+    name = CODE_FUNCTION
+
+    def function(self) -> FunctionTool:
+        return FunctionTool(name=CODE_FUNCTION, description=DESCRIPTION, parameters=PARAMETERS)
+
+    def _container(self) -> Container:
+        if self.container is not None:
+            return self.container
+        if self.named is not None:
+            self.container = self.pool.get(self.named, self.owner)
+        elif self.earlier is not None:
+            try:
+                self.container = self.pool.get(self.earlier, self.owner)
+            except ContainerError:
+                # Expired (or another key's): auto makes a new one.
+                self.container = self.pool.create(self.owner)
+        else:
+            self.container = self.pool.create(self.owner)
+        return self.container
+
+    def item(self, call: ToolCall) -> CodeInterpreterCallItem:
+        """The call's item; its container is found (or made) now, so the
+        item names it from its first event."""
+        code = code_of(call.arguments)
+        item = CodeInterpreterCallItem(container_id="", code=call.arguments if code is None else code,
+                                       id=new_id("ci"), status="in_progress" if call.complete else "incomplete")
+        if not call.complete:
+            return item
+        try:
+            item.container_id = self._container().id
+        except ContainerError as exc:
+            self.problems[item.id] = str(exc)
+        if code is None:
+            self.problems.setdefault(item.id, 'the call\'s arguments hold no code (expected {"code": "..."})')
+        return item
+
+    async def run(self, item: CodeInterpreterCallItem, limit_s: float) -> None:
+        """Run the call's code into its item: outputs and status. Never
+        raises for what the code does; a cancel kills the run."""
+        problem = self.problems.get(item.id)
+        container = None
+        if problem is None:
+            try:
+                container = self.pool.get(item.container_id, self.owner)
+            except ContainerError as exc:
+                problem = str(exc)
+        if problem is not None or container is None or item.code is None:
+            item.outputs, item.status = [CodeLogs(f"[not run: {problem}]\n")], "failed"
+            return
+        limits = self.pool.spec.limits
+        if self.memory_mib is not None and self.memory_mib < limits.memory_mib:
+            limits = replace(limits, memory_mib=self.memory_mib)
+        try:
+            run = await asyncio.wait_for(self.pool.run(container, item.code, limits), limit_s)
+        except TimeoutError:
+            # The sandbox's own wall clock is longer than what the loop had left.
+            item.outputs = [CodeLogs(f"[stopped: the call took longer than {limit_s:g} s]\n")]
+            item.status = "failed"
+            return
+        except (OSError, ValueError) as exc:
+            # The sandbox could not start (or the code is over its size limit).
+            log.warning("code_interpreter run failed: %s", exc)
+            item.outputs, item.status = [CodeLogs(f"[not run: {exc}]\n")], "failed"
+            return
+        outputs = call_outputs(run, container, wall_s=limits.wall_s, max_image_bytes=MAX_IMAGE_BYTES)
+        item.outputs = [CodeLogs(o["logs"]) if o["type"] == "logs" else CodeImage(o["url"]) for o in outputs]
+        item.status = call_status(run)
+
+
+def open_code(tools: list[Any], items: list[Item], containers: Containers,
+              owner: str | None) -> CodeSession | None:
+    """The response's code_interpreter session (None: the request has no
+    such tool). ``items``: the conversation so far, for auto's reuse.
+    Raises BadRequest (:func:`refuse_code`)."""
+    refuse_code(tools, containers, owner)
+    found = code_tools(tools)
+    if not found or containers.pool is None:
+        return None
+    tool = found[0][1]
+    match tool.container:
+        case str() as cid:
+            return CodeSession(containers.pool, owner, named=cid)
+        case CodeInterpreterAuto(memory_limit=memory):
+            return CodeSession(containers.pool, owner, earlier=_earlier_container(items),
+                               memory_mib=_MEMORY_LIMITS_MIB[memory] if memory else None)
+    return None
+
+
+async def expire_idle(pool: ContainerPool, interval_s: float = 60.0) -> None:
+    """Remove idle containers (and their folders) every ``interval_s``;
+    runs until cancelled, by the owner of the service."""
+    while True:
+        await asyncio.sleep(interval_s)
+        gone = pool.expire()
+        if gone:
+            log.debug("removed %d idle containers", len(gone))
