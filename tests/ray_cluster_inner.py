@@ -1,19 +1,20 @@
 """Workers on a real Ray cluster, run by tests/test_ray_cluster.py inside a
-private network (and process) namespace: a head with no GPUs and two nodes
-(``node-a``, ``node-b``) with one logical GPU each, all on loopback. Each
-node has a fake nvidia-smi on its PATH: node-a's GPU shows 8 GiB free,
-node-b's 16 GiB. Not collected on its own (its name is no test_*.py); run
-outside that namespace it skips.
+private network (and process) namespace: a head with no GPUs and three
+nodes (``node-a``, ``node-b``, ``node-c``) with one logical GPU each, all on
+loopback. Two have a fake nvidia-smi on their PATH: node-a's GPU shows 8 GiB
+free, node-b's 16 GiB; node-c has none, so it offers its RAM. Not collected
+on its own (its name is no test_*.py); run outside that namespace it skips.
 
 - A handle's worker is started by the node agent of the node its device
   names, serves a stream, and a forged Hello sent to the spawn's TCP
   listener first is refused.
-- A whole server on the cluster lists both nodes' GPUs in /api/gpu, places
-  the model on node-b (the room), streams a chat through it; SIGKILLed, it
-  leaves neither that worker nor its agent running.
+- A whole server on the cluster lists the nodes' GPUs (and node-c's RAM) in
+  /api/gpu, places the model on node-b (the room), streams a chat through
+  it; SIGKILLed, it leaves neither that worker nor its agent running.
 - node-b's raylet killed mid-stream: its agent goes, and with it the worker;
   the stream ends with an error and [DONE], node-b's GPU leaves the lease,
-  and the model comes back on node-a, where a chat works.
+  and the model comes back on node-a (a GPU before node-c's RAM), where a
+  chat works.
 - A server stopped by SIGTERM exits cleanly and its worker on the node ends.
 """
 
@@ -64,8 +65,9 @@ TIMING = Timing(handshake_timeout=60, ping_interval=2, ping_timeout=30, kill_gra
 ORPHAN_BOUND_S = 45.0
 
 
-# Free MiB each node's fake nvidia-smi reports for its one GPU (of 24 GiB).
-FREE_MIB = {"node-a": 8192, "node-b": 16384}
+# Free MiB each node's fake nvidia-smi reports for its one GPU (of 24 GiB);
+# None: no nvidia-smi there.
+FREE_MIB: dict[str, int | None] = {"node-a": 8192, "node-b": 16384, "node-c": None}
 # The head notices a dead node within seconds instead of Ray's ~30 s.
 FAST_HEALTH_CHECK = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
                      "RAY_health_check_failure_threshold": "3"}
@@ -101,10 +103,13 @@ def cluster() -> Iterator[Cluster]:
     try:
         _ray("start", "--head", f"--port={HEAD_PORT}", "--num-gpus=0", "--include-dashboard=false",
              "--disable-usage-stats", *common, env={**env, **FAST_HEALTH_CHECK})
-        for name in FREE_MIB:
-            _fake_smi(temp / name, name)
+        for name, free in FREE_MIB.items():
+            path = env["PATH"]
+            if free is not None:
+                _fake_smi(temp / name, name)
+                path = f"{temp / name}:{path}"
             _ray("start", f"--address={ADDRESS}", "--num-gpus=1", f"--labels=gpuvisor-node={name}", *common,
-                 env={**env, "PATH": f"{temp / name}:{env['PATH']}"})
+                 env={**env, "PATH": path})
         import ray
 
         ray.init(address=ADDRESS, log_to_driver=False)
@@ -227,10 +232,14 @@ def test_a_chat_streams_through_a_node_and_a_killed_parent_leaves_no_worker(
         cluster: Cluster, tiny_model_path: Path) -> None:
     srv = _cluster_server(cluster, tiny_model_path)
     with running(srv):
-        # Both nodes' GPUs join the lease, named by node, with their memory.
-        gpus = poll_until(lambda: _gpu(srv), lambda g: {"node-a/cuda:0", "node-b/cuda:0"} <= set(g), timeout=60)
+        # The nodes' GPUs join the lease, named by node, with their memory; node-c, with no GPU, its RAM.
+        gpus = poll_until(lambda: _gpu(srv), lambda g: {"node-a/cuda:0", "node-b/cuda:0", "node-c/cpu"} <= set(g),
+                          timeout=60)
         assert gpus["node-b/cuda:0"]["node"] == "node-b" and gpus["node-b/cuda:0"]["memory"]["free_mib"] == 16384
         assert gpus["node-a/cuda:0"]["memory"]["free_mib"] == 8192
+        ram = psutil.virtual_memory().total >> 20
+        assert gpus["node-c/cpu"]["node"] == "node-c" and gpus["node-c/cpu"]["memory"]["total_mib"] == ram
+        assert gpus["cpu"]["node"] is None  # this machine's own device, for jobs
         body = {"model": "tiny", "stream": True, "max_tokens": 6, "temperature": 0,
                 "messages": [{"role": "user", "content": "hello"}]}
         lines = []

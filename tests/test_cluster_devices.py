@@ -95,6 +95,24 @@ def test_a_model_goes_on_one_node_with_room_never_across_nodes(tmp_path: Path) -
     placed, _ = place_on_nodes([_gpu("node-a", 0, 7), _gpu("node-a", 1, 7), _gpu("node-b", 0, 5)], **kw)
     assert placed.mode == "split" and placed.devices == ["node-a/cuda:0", "node-a/cuda:1"]
     assert placed.indices == [0, 1] and placed.node == "node-a"
+    # A node without a GPU runs it in its RAM, but only where no GPU can take it whole or split.
+    ram_kw = {**kw, "ram_plan": lambda free: _ram_plan(tmp_path, free)}
+    placed, _ = place_on_nodes([_gpu("node-a", 0, 14)], ram={"node-c": 64 * GIB}, **ram_kw)
+    assert placed.devices == ["node-a/cuda:0"]
+    placed, decision = place_on_nodes([_gpu("node-a", 0, 2)], ram={"node-c": 64 * GIB}, **ram_kw)
+    assert placed.mode == "cpu" and placed.devices == ["node-c/cpu"] and placed.node == "node-c"
+    assert placed.indices == [] and decision is not None and decision.n_ctx == 4096
+    assert placed.reason == "node node-c: no GPU there, the model runs in its RAM"
+    with pytest.raises(DoesNotFit):
+        place_on_nodes([], ram={"node-c": 2 * GIB}, **ram_kw)
+
+
+def _ram_plan(tmp: Path, free: int) -> ContextDecision | None:
+    path = tmp / "big.gguf"
+    entry = ModelEntry(id="big", path=str(path), files=[str(path)], size_bytes=8 * GIB, source="dir",
+                       root=str(tmp), mtime=0.0, info=read_gguf_info(path))
+    return plan_load(entry, ModelSettings(), explicit_ctx=False, target_ctx=4096, min_ctx=1024,
+                     free_bytes=free, memory_kind="ram", slots=4)
 
 
 class _Nodes:
@@ -103,6 +121,9 @@ class _Nodes:
 
     def device_ids(self) -> list[str]:
         return [r.device_id for r in self.readings]
+
+    def ram_nodes(self) -> dict[str, int]:
+        return {}
 
     async def fresh_readings(self) -> list[GpuReading]:
         return self.readings
@@ -157,6 +178,8 @@ class _Launcher:
         if name in self.unanswered:
             raise ClusterError("the node agent did not answer within 10s")
         free = int(self.nodes[name][1] * GIB)
+        if name.startswith("ram-"):  # no NVIDIA driver there: RAM only
+            return {"gpus": [], "ram": [free, 64 * GIB]}
         return {"gpus": [[0, f"u-{name}", "Sim", free, 24 * GIB]], "ram": [1, 2]}
 
 
@@ -180,3 +203,13 @@ async def test_the_node_watch_adds_a_joining_node_and_drops_a_leaving_one() -> N
     cluster.nodes["node-c"] = (1, 4)
     await nodes.refresh()
     assert nodes.device_ids() == ["node-a/cuda:0", "node-c/cuda:0"]
+    # A node with a logical GPU where nvidia-smi finds none runs models in its RAM.
+    cluster.nodes["ram-d"] = (1, 32)
+    await nodes.refresh()
+    assert nodes.device_ids()[-1] == "ram-d/cpu" and nodes.ram_nodes() == {"ram-d": 32 * GIB}
+    snap = {d["id"]: d for d in lease.snapshot()["devices"]}
+    assert snap["ram-d/cpu"]["node"] == "ram-d" and snap["ram-d/cpu"]["memory"] == {
+        "free_mib": 32 * 1024, "total_mib": 64 * 1024}
+    del cluster.nodes["ram-d"]
+    await nodes.refresh()
+    assert lost[-1] == ("ram-d", "node ram-d left the cluster") and "ram-d/cpu" not in lease.devices

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from supervisor.models.devices import DeviceReadError, GpuReading
-from supervisor.models.gpu_reading import device_node
+from supervisor.models.gpu_reading import device_node, node_device
 from supervisor.models.settle import Settler
 
 log = logging.getLogger("gpuvisor.lease")
@@ -190,6 +190,8 @@ class GpuLease:
         self.settler = settler
         # The latest memory readings of the cluster nodes' GPUs (shown in the snapshot).
         self._node_readings: dict[str, tuple[GpuReading, ...]] = {}
+        # Free and total RAM of the nodes without a GPU (their one device: node/cpu).
+        self._node_ram: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------ devices
 
@@ -232,10 +234,21 @@ class GpuLease:
 
     # ------------------------------------------------------------ cluster nodes
 
-    def set_node(self, node: str, readings: Sequence[GpuReading]) -> list[str]:
+    def set_node(self, node: str, readings: Sequence[GpuReading],
+                 ram: tuple[int, int] | None = None) -> list[str]:
         """A cluster node's GPUs as its agent read them just now: new ones join
-        the lease, and their memory is shown. The ids that joined."""
+        the lease, and their memory is shown. A node without a GPU gives its
+        RAM (free, total) instead: its one device is ``node/cpu``. The ids
+        that joined."""
         joined = []
+        if ram is not None and not readings:
+            device_id = node_device(node, CPU)
+            if device_id not in self._devices:
+                joined.append(device_id)
+            self._devices[device_id] = Device(device_id, "CPU (no GPU on this node)", None, ram[1] >> 20, node)
+            self._node_ram[node] = ram
+            self._node_readings[node] = ()
+            return joined
         for r in readings:
             if r.node != node:
                 raise ValueError(f"a reading of node {r.node!r} given as node {node!r}'s")
@@ -249,6 +262,7 @@ class GpuLease:
         """A node left the cluster: its devices leave the lease, and the
         workers booked on them are unbooked. The worker keys that were there."""
         self._node_readings.pop(node, None)
+        self._node_ram.pop(node, None)
         gone = {d for d, dev in self._devices.items() if dev.node == node}
         for d in gone:
             del self._devices[d]
@@ -361,14 +375,18 @@ class GpuLease:
             owner = self._owner.get(dev.id)
             req = self._requests.get(owner) if owner is not None else None
             reading = by_id.get(dev.id) if dev.index is not None else None
+            ram = self._node_ram.get(dev.node) if dev.index is None and dev.node else None
+            shown = None if reading is None else {
+                "free_mib": reading.free_bytes >> 20, "total_mib": reading.total_bytes >> 20}
+            if ram is not None:
+                shown = {"free_mib": ram[0] >> 20, "total_mib": ram[1] >> 20}
             devices.append(
                 {
                     "id": dev.id,
                     "node": dev.node or None,
                     "name": dev.name,
                     "memory_total_mib": dev.memory_total_mib,
-                    "memory": None if reading is None else {
-                        "free_mib": reading.free_bytes >> 20, "total_mib": reading.total_bytes >> 20},
+                    "memory": shown,
                     "state": "free" if req is None else req.state,
                     "holder": None if req is None else _describe(req, now),
                     "waiters": [r.job_id for r in waiters if dev.id in r.devices],

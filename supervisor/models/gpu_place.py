@@ -17,12 +17,13 @@ each GPU beyond the first costs one more runtime reserve.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import msgspec
 
 from supervisor.models.devices import GpuReading
+from supervisor.models.gpu_reading import node_device
 from supervisor.models.memfit import ContextDecision, DoesNotFit
 
 DEFAULT_HEADROOM = 0.10
@@ -120,18 +121,22 @@ _MODE_RANK: dict[str, int] = {"single": 0, "split": 1, "offload": 2, "cpu": 3}
 
 
 def place_on_nodes(readings: Sequence[GpuReading], *, headroom: float, extra_reserve: int,
-                   plan: Plan) -> tuple[GpuPlacement, ContextDecision | None]:
+                   plan: Plan, ram: Mapping[str, int] | None = None,
+                   ram_plan: Plan | None = None) -> tuple[GpuPlacement, ContextDecision | None]:
     """:func:`place` on each node's GPUs alone, and the best of them: a
     llama.cpp worker runs on one machine, never split across machines.
+    ``ram``: the free RAM of nodes without a GPU, where ``ram_plan`` fits the
+    model in RAM (device ``node/cpu``).
 
-    Best: whole GPUs before a split before partial offload, then the larger
-    context, then the most free memory on the GPUs chosen. DoesNotFit when it
-    fits on no node (the last node's reason)."""
+    Best: whole GPUs before a split before partial offload before RAM, then
+    the larger context, then the most free memory on the GPUs chosen.
+    DoesNotFit when it fits on no node (the last node's reason)."""
     nodes: dict[str, list[GpuReading]] = {}
     for r in readings:
         nodes.setdefault(r.node, []).append(r)
-    if not nodes:
-        raise ValueError("place_on_nodes() needs at least one GPU reading")
+    ram = dict(ram or {}) if ram_plan is not None else {}
+    if not nodes and not ram:
+        raise ValueError("place_on_nodes() needs at least one node")
     found: list[tuple[tuple[int, int, int], GpuPlacement, ContextDecision | None]] = []
     refusal: DoesNotFit | None = None
     for node, ours in nodes.items():
@@ -143,6 +148,16 @@ def place_on_nodes(readings: Sequence[GpuReading], *, headroom: float, extra_res
         n_ctx = decision.n_ctx if decision is not None else 0
         rank = (_MODE_RANK[placed.mode], -n_ctx, -sum(placed.free_bytes))
         found.append((rank, msgspec.structs.replace(placed, reason=f"node {node}: {placed.reason}"), decision))
+    for node, free in ram.items():
+        assert ram_plan is not None
+        try:
+            decision = ram_plan(free)
+        except DoesNotFit as exc:
+            refusal = exc
+            continue
+        placed = GpuPlacement(mode="cpu", devices=[node_device(node, "cpu")], free_bytes=[free], usable_bytes=free,
+                              headroom=0.0, node=node, reason=f"node {node}: no GPU there, the model runs in its RAM")
+        found.append(((_MODE_RANK["cpu"], -(decision.n_ctx if decision is not None else 0), -free), placed, decision))
     if not found:
         assert refusal is not None
         raise refusal

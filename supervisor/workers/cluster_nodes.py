@@ -6,7 +6,9 @@ node agent for its memory (node_agent.NodeAgent.read_memory: nvidia-smi
 there), and keeps the lease's books in step (supervisor/lab/lease.py):
 
 - a node that joins adds its GPUs as ``node/cuda:N`` devices, as many as its
-  logical GPUs (``ray start --num-gpus``), in nvidia-smi's order;
+  logical GPUs (``ray start --num-gpus``), in nvidia-smi's order; a node
+  with logical GPUs where nvidia-smi finds none runs models in its RAM,
+  with one device, ``node/cpu``;
 - a node that leaves (the cluster no longer lists it alive) takes its
   devices out of the lease, and the pool is told (``on_lost``), so that its
   workers there end with the reason and their models are placed again.
@@ -23,7 +25,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from supervisor.models.gpu_reading import DeviceReadError, GpuReading
+from supervisor.models.gpu_reading import DeviceReadError, GpuReading, node_device
 from supervisor.workers.ray_launcher import ClusterError, ClusterNode, RayLauncher
 
 log = logging.getLogger("gpuvisor.cluster")
@@ -36,7 +38,8 @@ POLL_S = 2.0
 class NodeBook(Protocol):
     """The lease's side: the devices of each node (supervisor/lab/lease.py)."""
 
-    def set_node(self, node: str, readings: Sequence[GpuReading]) -> list[str]: ...
+    def set_node(self, node: str, readings: Sequence[GpuReading],
+                 ram: tuple[int, int] | None = None) -> list[str]: ...
 
     def drop_node(self, node: str) -> list[str]: ...
 
@@ -54,8 +57,8 @@ class ClusterNodes:
         self.poll_s = poll_s
         # Node name -> its GPUs as last read (the ones the lease has).
         self.readings: dict[str, list[GpuReading]] = {}
-        # Nodes with logical GPUs but no GPU reading (no NVIDIA driver there), with the reason.
-        self.unread: dict[str, str] = {}
+        # Nodes with logical GPUs but no GPU found there: their RAM (free, total).
+        self.ram: dict[str, tuple[int, int]] = {}
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._last_error = ""
@@ -70,7 +73,12 @@ class ClusterNodes:
             self._task = None
 
     def device_ids(self) -> list[str]:
-        return [r.device_id for rs in self.readings.values() for r in rs]
+        return [r.device_id for rs in self.readings.values() for r in rs] + [
+            node_device(n, "cpu") for n in self.ram]
+
+    def ram_nodes(self) -> dict[str, int]:
+        """The free RAM of each node without a GPU, as last read."""
+        return {n: free for n, (free, _) in self.ram.items()}
 
     async def fresh_readings(self) -> list[GpuReading]:
         """Every node's GPUs, read now (for a placement); DeviceReadError when
@@ -86,39 +94,41 @@ class ClusterNodes:
         async with self._lock:
             nodes = await self.launcher.alive_nodes()
             alive = {n.name for n in nodes}
-            for name in [n for n in self.readings if n not in alive]:
+            for name in [n for n in [*self.readings, *self.ram] if n not in alive]:
                 self._lost(name, f"node {name} left the cluster")
             serving = [n for n in nodes if n.gpus > 0]
             read = await asyncio.gather(*(self._read(n) for n in serving))
-            for node, readings in zip(serving, read, strict=True):
-                if readings is not None:
-                    self._found(node.name, readings)
+            for node, got in zip(serving, read, strict=True):
+                if got is not None:
+                    self._found(node, got)
 
-    async def _read(self, node: ClusterNode) -> list[GpuReading] | None:
-        """The node's GPUs, up to its logical count; None when its agent did not answer."""
+    async def _read(self, node: ClusterNode) -> dict[str, Any] | None:
+        """The node agent's reading; None when it did not answer."""
         try:
-            got = await self.launcher.read_node(node.node_id)
+            return await self.launcher.read_node(node.node_id)
         except ClusterError as exc:
             log.warning("node %s: no memory reading (%s); keeping its last one", node.name, exc)
             return None
-        return node_readings(node, got)
 
-    def _found(self, name: str, readings: list[GpuReading]) -> None:
-        if not readings:
-            if name not in self.unread:
-                log.warning("node %s reports no GPU (no NVIDIA driver there): no worker is placed on it", name)
-            self.unread[name] = "no GPU reported by nvidia-smi"
-            if name in self.readings:
-                self._lost(name, f"node {name} no longer reports its GPUs")
-            return
-        self.unread.pop(name, None)
-        joined = self.book.set_node(name, readings)
-        self.readings[name] = readings
+    def _found(self, node: ClusterNode, got: dict[str, Any]) -> None:
+        name = node.name
+        readings = node_readings(node, got)
+        ram = None if readings else node_ram(got)
+        # A node whose GPUs appear or vanish while it is alive: its workers ran on the other kind.
+        if (name in self.readings and ram is not None) or (name in self.ram and readings):
+            self._lost(name, f"node {name} {'no longer reports its GPUs' if ram else 'now reports GPUs'}")
+        joined = self.book.set_node(name, readings, ram)
+        if ram is not None:
+            self.ram[name] = ram
+        else:
+            self.readings[name] = readings
         if joined:
-            log.info("node %s joined with %s", name, ", ".join(joined))
+            log.info("node %s joined with %s%s", name, ", ".join(joined),
+                     " (no GPU found there: models run in its RAM)" if ram is not None else "")
 
     def _lost(self, name: str, reason: str) -> None:
         self.readings.pop(name, None)
+        self.ram.pop(name, None)
         holders = self.book.drop_node(name)
         log.warning("%s: its devices leave the lease (workers there: %s)", reason, ", ".join(holders) or "none")
         self.on_lost(name, reason)
@@ -134,6 +144,12 @@ class ClusterNodes:
                     log.warning("cannot list the cluster's nodes: %s", exc)
                     self._last_error = str(exc)
             await asyncio.sleep(self.poll_s)
+
+
+def node_ram(got: dict[str, Any]) -> tuple[int, int]:
+    """A node agent's RAM reading: (available, total) bytes."""
+    free, total = got.get("ram") or (0, 0)
+    return int(free), int(total)
 
 
 def node_readings(node: ClusterNode, got: dict[str, Any]) -> list[GpuReading]:

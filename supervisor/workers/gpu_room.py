@@ -23,6 +23,7 @@ import msgspec
 
 from supervisor.errors import DeviceBusy, Unavailable
 from supervisor.models.devices import DeviceReadError, GpuReading
+from supervisor.models.gpu_reading import node_device
 from supervisor.models.gpu_place import (
     DEFAULT_HEADROOM,
     GpuPlacement,
@@ -59,6 +60,8 @@ class NodeReadings(Protocol):
     """A cluster's GPUs (supervisor/workers/cluster_nodes.py)."""
 
     def device_ids(self) -> list[str]: ...
+
+    def ram_nodes(self) -> dict[str, int]: ...
 
     def fresh_readings(self) -> Awaitable[list[GpuReading]]: ...
 
@@ -103,11 +106,12 @@ class GpuRoom:
     async def open_readings(self) -> list[GpuReading]:
         """The GPUs model workers may use now; 503 naming the holder when none."""
         readings = await self.readings()
-        if not readings and self.nodes is not None:
+        in_ram = bool(self.nodes.ram_nodes()) if self.nodes is not None else False
+        if not readings and self.nodes is not None and not in_ram:
             raise Unavailable("no alive node of the cluster offers a GPU yet", retry_after=5, code="no_gpu_node")
         refused = {r.device_id: self.admission(r.device_id) for r in readings}
         open_ = [r for r in readings if refused[r.device_id] is None]
-        if not open_:
+        if not open_ and not in_ram:
             why = next((w for w in refused.values() if w), "no GPU of the lease is reported by the driver")
             raise DeviceBusy(why)
         return open_
@@ -122,18 +126,38 @@ class GpuRoom:
             by_node.setdefault(r.node, []).append(r)
         ceiling = max((usable_bytes(rs, self.headroom, GPU_RUNTIME_RESERVE) for rs in by_node.values()),
                       default=0)
+        if self.nodes is not None:  # nodes without a GPU: their RAM
+            ceiling = max([ceiling, *self.nodes.ram_nodes().values()])
         return min(ceiling, budget_bytes) if budget_bytes > 0 else ceiling
 
-    def place_now(self, readings: Sequence[GpuReading], plan: Plan,
-                  budget_left: int | None) -> tuple[GpuPlacement, ContextDecision | None]:
+    def place_now(self, readings: Sequence[GpuReading], plan: Plan, budget_left: int | None,
+                  ram_plan: Plan | None = None,
+                  ram: dict[str, int] | None = None) -> tuple[GpuPlacement, ContextDecision | None]:
         """Where the load goes on ``readings``; ``budget_left`` caps the memory of
-        any choice. Blocking (the plan may read a shard set's headers): in a thread."""
+        any choice. On a cluster, ``ram_plan`` fits it in the free ``ram`` of
+        a node without a GPU. Blocking (the plan may read a shard set's
+        headers): in a thread."""
 
         def capped(free: int) -> ContextDecision | None:
             return plan(free if budget_left is None else min(free, budget_left))
 
-        where = place_on_nodes if self.nodes is not None else place
-        return where(readings, headroom=self.headroom, extra_reserve=GPU_RUNTIME_RESERVE, plan=capped)
+        if self.nodes is None:
+            return place(readings, headroom=self.headroom, extra_reserve=GPU_RUNTIME_RESERVE, plan=capped)
+
+        def ram_capped(free: int) -> ContextDecision | None:
+            assert ram_plan is not None
+            return ram_plan(free if budget_left is None else min(free, budget_left))
+
+        return place_on_nodes(readings, headroom=self.headroom, extra_reserve=GPU_RUNTIME_RESERVE, plan=capped,
+                              ram=ram, ram_plan=ram_capped if ram_plan is not None else None)
+
+    def ram_left(self, planned: Sequence[tuple[GpuPlacement, int]]) -> dict[str, int]:
+        """The free RAM of the cluster's nodes without a GPU, less what
+        workers still starting there were planned to use."""
+        if self.nodes is None:
+            return {}
+        used = per_device(planned)
+        return {n: max(0, free - used.get(node_device(n, "cpu"), 0)) for n, free in self.nodes.ram_nodes().items()}
 
     @staticmethod
     def less_planned(readings: Sequence[GpuReading],

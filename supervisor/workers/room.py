@@ -113,7 +113,9 @@ class Room:
                     and (f := self.fits.get(k)) is not None]
         readings = self.gpus.less_planned(readings, starting)
         placed, decision = await asyncio.to_thread(
-            self.gpus.place_now, readings, lambda free: plan(free, "gpu"), left)
+            self.gpus.place_now, readings, lambda free: plan(free, "gpu"), left,
+            # A cluster's nodes without a GPU: the model in their RAM.
+            lambda free: plan(free, "ram"), self.gpus.ram_left(starting))
         return decision, placed
 
     async def fit_placed(self, entry: ModelEntry, settings: ModelSettings,
