@@ -23,10 +23,12 @@ from aiohttp import web
 from jobs.params import Roots
 from supervisor import logs, responses
 from supervisor.api import auth, metrics, openapi, proxies, shutdown, user_view, waiting
+from supervisor.api import files as routes_files
 from supervisor.api import jobs as routes_jobs
 from supervisor.api import models as routes_models
 from supervisor.api import openai as routes_openai
 from supervisor.api import responses as routes_responses
+from supervisor.api import vector_stores as routes_vector_stores
 from supervisor.api import web as routes_web
 from supervisor.api.io import answer_and_close, error_response, json_response
 from supervisor.appkeys import (
@@ -47,6 +49,7 @@ from supervisor.appkeys import (
 from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
+from supervisor.knowledge.schema import KNOWLEDGE_SCHEMA
 from supervisor.lab.gpu_setup import build_lease, gpu_room
 from supervisor.lab.leftovers import remove_stale_sockets
 from supervisor.lab.runner import JobRunner, RunnerSettings
@@ -67,7 +70,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Database migrations, in order; only ever append.
 MIGRATIONS = [JOBS_SCHEMA, responses.RESPONSES_SCHEMA, auth.AUTH_SCHEMA, responses.RESPONSE_EVENTS_SCHEMA,
-              JOBS_OWNER_SCHEMA, RESPONSES_OWNER_SCHEMA]  # append only
+              JOBS_OWNER_SCHEMA, RESPONSES_OWNER_SCHEMA, KNOWLEDGE_SCHEMA]  # append only
 
 
 @web.middleware
@@ -288,7 +291,7 @@ def build_app(cfg: Config) -> web.Application:
                                total_timeout_s=cfg.hosted_total_timeout_s,
                                suppress_duplicates=cfg.hosted_suppress_duplicates),
                            open_containers=functools.partial(open_pool, cfg))
-    app.cleanup_ctx.extend([auth.keys_ctx, metrics.observe_ctx])
+    app.cleanup_ctx.extend([auth.keys_ctx, metrics.observe_ctx, routes_vector_stores.knowledge_ctx])
     app.on_response_prepare.extend([logs.add_request_id, auth.security_headers])
     app.on_shutdown.append(shutdown.drain)
     metrics.add_routes(app)
@@ -297,6 +300,8 @@ def build_app(cfg: Config) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/api/workers", workers)
     routes_openai.add_routes(app)
+    routes_files.add_routes(app)
+    routes_vector_stores.add_routes(app)
     routes_jobs.add_routes(app)
     waiting.setup(app)  # before the models routes: their plain GET takes the whole path
     routes_models.add_routes(app)

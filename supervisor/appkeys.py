@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from supervisor.api.web import AssetTable
     from supervisor.config import Config
     from supervisor.db import Database
+    from supervisor.knowledge.service import Knowledge
     from supervisor.lab.busy import WaitLine
     from supervisor.lab.lease import GpuLease
     from supervisor.lab.runner import JobRunner
@@ -48,3 +49,6 @@ RESPONSES: web.AppKey[ResponsesApi] = web.AppKey("responses")
 ASSETS: web.AppKey[AssetTable] = web.AppKey("web_assets")
 OPENAPI_DOCUMENT: web.AppKey[bytes] = web.AppKey("openapi_document")
 JOB_SCHEMA_ROUTES: web.AppKey[bool] = web.AppKey("job_schema_routes")
+
+# Files and vector stores (supervisor/knowledge/)
+KNOWLEDGE: web.AppKey[Knowledge] = web.AppKey("knowledge")

@@ -271,6 +271,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     hosted_call_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 300.0
     hosted_total_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 1800.0
     hosted_suppress_duplicates: bool = True
+    # Files and vector stores (supervisor/knowledge/): the largest file
+    # /v1/files takes (413 past it; 64 MiB holds a book as plain text many
+    # times over, and an upload is read to disk, never into memory), and
+    # the served model whose embeddings index files for file_search ("":
+    # vector stores are refused with a 409 naming this setting).
+    files_max_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 40)] = 64 << 20
+    file_search_embedding_model: str = ""
     # Lab: jobs and the GPU lease
     datasets_dir: str = ""
     outputs_dir: str = ""

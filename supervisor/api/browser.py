@@ -13,7 +13,7 @@ from supervisor.errors import ApiError, PayloadTooLarge
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 # /v1 and /api routes whose body is not JSON (multipart uploads).
-NON_JSON_BODIES = frozenset({"/api/datasets"})
+NON_JSON_BODIES = frozenset({"/api/datasets", "/v1/files"})
 
 # ``same-origin``, not ``no-referrer``: under no-referrer a browser sends
 # ``Origin: null`` on the sign-in form's POST (and on the UI's own fetches),

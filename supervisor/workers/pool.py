@@ -465,8 +465,10 @@ class WorkerPool:
             tokens += ev.prompt_tokens
         return p.Embeddings(0, vectors, tokens)
 
-    async def tokenize(self, model: str, text: str, add_special: bool = True) -> list[int]:
-        ev = await self._call(model, False, p.Tokenize(0, text, add_special))
+    async def tokenize(self, model: str, text: str, add_special: bool = True, embedding: bool = False) -> list[int]:
+        """The model's tokens for ``text``; ``embedding``: asked of its embedding
+        worker (the one that will embed the text), so no generation worker loads."""
+        ev = await self._call(model, embedding, p.Tokenize(0, text, add_special))
         assert isinstance(ev, p.Tokens)
         return ev.tokens
 

@@ -1,0 +1,203 @@
+"""``/v1/vector_stores``: stores, the files in them, and search, shaped as
+the OpenAI SDK's types; and the knowledge base's context (the app's
+:data:`KNOWLEDGE`). The work is in supervisor/knowledge/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+import msgspec
+from aiohttp import web
+
+from supervisor.api.auth import request_scope
+from supervisor.api.callers import caller_of
+from supervisor.api.io import decode_body, json_response
+from supervisor.appkeys import CONFIG, DB, KNOWLEDGE, LIBRARY, POOL
+from supervisor.errors import BadRequest
+from supervisor.knowledge.chunking import ChunkSize
+from supervisor.knowledge.embedder import Embedder
+from supervisor.knowledge.files import FileStore
+from supervisor.knowledge.records import FILE_PREFIX, STORE_PREFIX, checked_id, page_ask, page_body
+from supervisor.knowledge.service import Knowledge
+from supervisor.knowledge.stores import Attributes, FileStatus
+from supervisor.models.source import LibrarySource
+
+# OpenAI's own bounds on these fields.
+Key = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+Metadata = Annotated[dict[Key, Annotated[str, msgspec.Meta(max_length=512)]], msgspec.Meta(max_length=16)]
+AttrValue = Annotated[str, msgspec.Meta(max_length=512)] | float | bool
+AttributeMap = Annotated[dict[Key, AttrValue], msgspec.Meta(max_length=16)]
+MAX_FILE_IDS = 500
+
+
+class StaticSize(msgspec.Struct, forbid_unknown_fields=True):
+    max_chunk_size_tokens: int
+    chunk_overlap_tokens: int
+
+
+class Chunking(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["auto", "static"]
+    static: StaticSize | None = None
+
+    def size(self, param: str) -> ChunkSize:
+        if self.type == "auto":
+            return ChunkSize()
+        if self.static is None:
+            raise BadRequest("a static chunking_strategy needs its static sizes", param=f"{param}.static")
+        return ChunkSize.checked(self.static.max_chunk_size_tokens, self.static.chunk_overlap_tokens, param)
+
+
+def _size(chunking: Chunking | None) -> ChunkSize:
+    return ChunkSize() if chunking is None else chunking.size("chunking_strategy")
+
+
+class CreateStore(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    file_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_FILE_IDS)] = []
+    metadata: Metadata = {}
+    chunking_strategy: Chunking | None = None
+    expires_after: dict[str, Any] | None = None
+    description: Annotated[str, msgspec.Meta(max_length=512)] | None = None
+
+
+class AddFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    file_id: str
+    attributes: AttributeMap = {}
+    chunking_strategy: Chunking | None = None
+
+
+class Hybrid(msgspec.Struct, forbid_unknown_fields=True):
+    embedding_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 1.0
+    text_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 1.0
+
+
+class Ranking(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    ranker: Literal["none", "auto", "default-2024-11-15"] = "auto"
+    score_threshold: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    hybrid_search: Hybrid | None = None
+
+
+class Search(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    query: str | Annotated[list[str], msgspec.Meta(min_length=1, max_length=16)]
+    max_num_results: int = 10
+    filters: dict[str, Any] | None = None
+    ranking_options: Ranking | None = None
+    rewrite_query: bool = False
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/vector_stores", create_store)
+    app.router.add_get("/v1/vector_stores", list_stores)
+    app.router.add_get("/v1/vector_stores/{store_id}", retrieve_store)
+    app.router.add_delete("/v1/vector_stores/{store_id}", delete_store)
+    app.router.add_post("/v1/vector_stores/{store_id}/files", add_file)
+    app.router.add_get("/v1/vector_stores/{store_id}/files", list_files)
+    app.router.add_get("/v1/vector_stores/{store_id}/files/{file_id}", retrieve_file)
+    app.router.add_delete("/v1/vector_stores/{store_id}/files/{file_id}", remove_file)
+    app.router.add_post("/v1/vector_stores/{store_id}/search", search)
+
+
+async def knowledge_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The knowledge base: after the database and the pool, unwound before them."""
+    cfg = app[CONFIG]
+    embedder = Embedder(app[POOL], LibrarySource(app[LIBRARY]), cfg.file_search_embedding_model)
+    knowledge = Knowledge(app[DB], FileStore(app[DB], cfg.state_path / "files", cfg.files_max_bytes), embedder)
+    app[KNOWLEDGE] = knowledge
+    await knowledge.start()
+    try:
+        yield
+    finally:
+        await knowledge.close()
+
+
+def _store_id(request: web.Request) -> str:
+    return checked_id(request.match_info["store_id"], STORE_PREFIX, "vector_store_id")
+
+
+def _file_id(value: str, param: str = "file_id") -> str:
+    return checked_id(value, FILE_PREFIX, param)
+
+
+async def create_store(request: web.Request) -> web.Response:
+    req = await decode_body(request, CreateStore)
+    if req.expires_after is not None:
+        raise BadRequest("expires_after is not supported: stores are kept until deleted", param="expires_after")
+    file_ids = [_file_id(f, f"file_ids[{i}]") for i, f in enumerate(req.file_ids)]
+    knowledge = request.app[KNOWLEDGE]
+    store = await knowledge.create_store(request_scope(request), req.name, dict(req.metadata), file_ids,
+                                         _size(req.chunking_strategy), caller_of(request))
+    return json_response(await knowledge.book.to_object(store))
+
+
+async def list_stores(request: web.Request) -> web.Response:
+    ask = page_ask(request.query, STORE_PREFIX)
+    book = request.app[KNOWLEDGE].book
+    stores = await book.page(request_scope(request), ask)
+    return json_response(page_body([await book.to_object(s) for s in stores], ask.limit))
+
+
+async def retrieve_store(request: web.Request) -> web.Response:
+    book = request.app[KNOWLEDGE].book
+    return json_response(await book.to_object(await book.get(_store_id(request), request_scope(request))))
+
+
+async def delete_store(request: web.Request) -> web.Response:
+    store_id = _store_id(request)
+    await request.app[KNOWLEDGE].delete_store(request_scope(request), store_id)
+    return json_response({"id": store_id, "object": "vector_store.deleted", "deleted": True})
+
+
+async def add_file(request: web.Request) -> web.Response:
+    store_id = _store_id(request)
+    req = await decode_body(request, AddFile)
+    attributes: Attributes = dict(req.attributes)
+    row = await request.app[KNOWLEDGE].add_file(request_scope(request), store_id, _file_id(req.file_id),
+                                                _size(req.chunking_strategy), attributes, caller_of(request))
+    return json_response(row.to_object())
+
+
+async def list_files(request: web.Request) -> web.Response:
+    store_id = _store_id(request)
+    ask = page_ask(request.query, FILE_PREFIX)
+    status = request.query.get("filter")
+    if status not in (None, "in_progress", "completed", "failed", "cancelled"):
+        raise BadRequest("filter must be in_progress, completed, failed or cancelled", param="filter")
+    knowledge = request.app[KNOWLEDGE]
+    await knowledge.book.get(store_id, request_scope(request))
+    wanted: FileStatus | None = status  # type: ignore[assignment]  # checked just above
+    rows = await knowledge.book.files_page(store_id, ask, wanted)
+    return json_response(page_body([r.to_object() for r in rows], ask.limit))
+
+
+async def retrieve_file(request: web.Request) -> web.Response:
+    store_id = _store_id(request)
+    file_id = _file_id(request.match_info["file_id"])
+    knowledge = request.app[KNOWLEDGE]
+    await knowledge.book.get(store_id, request_scope(request))
+    return json_response((await knowledge.book.get_file(store_id, file_id)).to_object())
+
+
+async def remove_file(request: web.Request) -> web.Response:
+    store_id = _store_id(request)
+    file_id = _file_id(request.match_info["file_id"])
+    await request.app[KNOWLEDGE].remove_file(request_scope(request), store_id, file_id)
+    return json_response({"id": file_id, "object": "vector_store.file.deleted", "deleted": True})
+
+
+async def search(request: web.Request) -> web.Response:
+    store_id = _store_id(request)
+    req = await decode_body(request, Search)
+    ranking = req.ranking_options or Ranking()
+    hybrid = ranking.hybrid_search or Hybrid()
+    if hybrid.embedding_weight == 0 and hybrid.text_weight == 0:
+        raise BadRequest("embedding_weight and text_weight cannot both be 0",
+                         param="ranking_options.hybrid_search")
+    results = await request.app[KNOWLEDGE].search(
+        request_scope(request), [store_id], req.query, req.max_num_results, req.filters,
+        embedding_weight=hybrid.embedding_weight, text_weight=hybrid.text_weight,
+        score_threshold=ranking.score_threshold, caller=caller_of(request))
+    queries = [req.query] if isinstance(req.query, str) else req.query
+    return json_response({"object": "vector_store.search_results.page", "search_query": queries,
+                          "data": [r.to_object() for r in results], "has_more": False, "next_page": None})

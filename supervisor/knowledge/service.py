@@ -1,0 +1,179 @@
+"""The knowledge base: files, vector stores and search, for the routes and
+for the Responses tool loop (``file_search``).
+
+Everything is scoped to the API key that made it: ``scope`` is that key's
+id, or None for the admin (and with authentication off), which sees all.
+Another key's file or store is a 404, as if it did not exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from supervisor.db import Database
+from supervisor.errors import BadRequest, NotFound
+from supervisor.knowledge.chunking import ChunkSize
+from supervisor.knowledge.embedder import Embedder
+from supervisor.knowledge.files import FileRecord, FileStore
+from supervisor.knowledge.indexer import Indexer, Job, resumed
+from supervisor.knowledge.stores import Attributes, StoreBook, StoreFile, StoreRecord
+from supervisor.knowledge.vectors import VectorIndex
+
+MAX_RESULTS = 50
+MAX_STORES_PER_SEARCH = 16
+MAX_QUERY_CHARS = 16384
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """One chunk a search found: what ``file_search_call`` results and the
+    search page show."""
+
+    vector_store_id: str
+    file_id: str
+    filename: str
+    score: float
+    text: str
+    attributes: Attributes
+
+    def to_object(self) -> dict[str, Any]:
+        """The SDK's ``VectorStoreSearchResponse``."""
+        return {"file_id": self.file_id, "filename": self.filename, "score": self.score,
+                "attributes": self.attributes, "content": [{"type": "text", "text": self.text}]}
+
+
+class Knowledge:
+    def __init__(self, db: Database, files: FileStore, embedder: Embedder) -> None:
+        self.files = files
+        self.book = StoreBook(db)
+        self.index = VectorIndex(db)
+        self.embedder = embedder
+        self.indexer = Indexer(self.book, self.index, embedder)
+
+    async def start(self) -> None:
+        """Drop unfinished uploads; index again what a stop interrupted."""
+        self.files.remove_leftover_spools()
+        for row in await self.book.files_in_progress():
+            store = await self.book.get(row.store_id, None)
+            self.indexer.start(resumed(row, self.files.path(row.file_id), store.model))
+
+    async def close(self) -> None:
+        await self.indexer.close()
+
+    # ------------------------------------------------------------ stores
+
+    async def create_store(self, scope: str | None, name: str, metadata: dict[str, str],
+                           file_ids: Sequence[str], size: ChunkSize, caller: str) -> StoreRecord:
+        model = self.embedder.current()
+        records = [await self._searchable(scope, f) for f in file_ids]  # all checked before any is added
+        store = await self.book.create(scope, name, metadata, model)
+        for rec in records:
+            await self._add(store, rec, size, {}, caller)
+        return store
+
+    async def delete_store(self, scope: str | None, store_id: str) -> None:
+        await self.book.get(store_id, scope)
+        await self.indexer.cancel(store_id)
+        await self.index.delete(store_id)
+        await self.book.remove(store_id)
+
+    async def add_file(self, scope: str | None, store_id: str, file_id: str, size: ChunkSize,
+                       attributes: Attributes, caller: str) -> StoreFile:
+        store = await self.book.get(store_id, scope)
+        self.embedder.check(store.model)
+        rec = await self._searchable(scope, file_id)
+        return await self._add(store, rec, size, attributes, caller)
+
+    async def _searchable(self, scope: str | None, file_id: str) -> FileRecord:
+        rec = await self.files.get(file_id, scope)
+        if not rec.searchable:
+            raise BadRequest(f"file {file_id} ({rec.filename}) cannot join a vector store: only UTF-8 text files "
+                             "(.txt, .md, .json, .jsonl, .csv, .tsv) are searchable", param="file_id",
+                             code="unsupported_file")
+        return rec
+
+    async def _add(self, store: StoreRecord, rec: FileRecord, size: ChunkSize, attributes: Attributes,
+                   caller: str) -> StoreFile:
+        await self.indexer.cancel(store.id, rec.id)  # added again: index it afresh
+        row = await self.book.add_file(store.id, rec.id, size, attributes)
+        self.indexer.start(Job(store.id, rec.id, self.files.path(rec.id), store.model, size, caller))
+        return row
+
+    async def remove_file(self, scope: str | None, store_id: str, file_id: str) -> None:
+        """Take a file out of a store (its chunks go; the file stays)."""
+        await self.book.get(store_id, scope)
+        await self.book.get_file(store_id, file_id)
+        await self.indexer.cancel(store_id, file_id)
+        await self.index.delete(store_id, file_id)
+        await self.book.remove_file(store_id, file_id)
+
+    async def delete_file(self, scope: str | None, file_id: str) -> None:
+        """Delete a file, and take it out of every store that holds it."""
+        await self.files.get(file_id, scope)
+        for store_id in await self.book.stores_of_file(file_id):
+            await self.indexer.cancel(store_id, file_id)
+            await self.index.delete(store_id, file_id)
+            await self.book.remove_file(store_id, file_id)
+        await self.files.remove(file_id)
+
+    # ------------------------------------------------------------ search
+
+    async def search(self, scope: str | None, store_ids: Sequence[str], query: str | Sequence[str],
+                     max_num_results: int = 10, filters: object | None = None, *,
+                     embedding_weight: float = 1.0, text_weight: float = 1.0,
+                     score_threshold: float = 0.0, caller: str = "") -> list[SearchResult]:
+        """The chunks of the stores ``scope`` may see that best answer
+        ``query``, best first, at most ``max_num_results`` (1..50).
+
+        The ranking fuses the cosine of the query's embedding (by the
+        stores' own model) with BM25 over the query's words
+        (``vectors.py``); ``embedding_weight`` and ``text_weight`` weigh
+        the two, and results scoring under ``score_threshold`` are left
+        out. Errors are :class:`ApiError`s naming the field: a store
+        ``scope`` cannot see is a 404, a query over the model's input a 400.
+        ``filters`` (attribute filters) is not supported yet: a 400.
+        """
+        if filters is not None:
+            raise BadRequest("filters are not supported yet", param="filters")
+        if not 1 <= max_num_results <= MAX_RESULTS:
+            raise BadRequest(f"max_num_results must be from 1 to {MAX_RESULTS}", param="max_num_results")
+        if not 1 <= len(store_ids) <= MAX_STORES_PER_SEARCH:
+            raise BadRequest(f"name 1 to {MAX_STORES_PER_SEARCH} vector stores", param="vector_store_ids")
+        text = query if isinstance(query, str) else "\n".join(query)
+        if not text.strip():
+            raise BadRequest("query must not be empty", param="query")
+        if len(text) > MAX_QUERY_CHARS:
+            raise BadRequest(f"query is over {MAX_QUERY_CHARS} characters", param="query")
+        stores = [await self.book.get(s, scope) for s in dict.fromkeys(store_ids)]
+        models = {s.model for s in stores}
+        if len(models) > 1:
+            raise BadRequest("these vector stores were made with different embedding models; search them apart",
+                             param="vector_store_ids")
+        model = models.pop()
+        self.embedder.check(model)
+        tokens = await self.embedder.count(model, text)
+        if tokens > self.embedder.input_limit():
+            raise BadRequest(f"query is {tokens} tokens; the embedding model takes at most "
+                             f"{self.embedder.input_limit()}", param="query")
+        [vector] = await self.embedder.embed(model, [text], caller)
+        hits = await self.index.search([s.id for s in stores], text, vector, max_num_results,
+                                       embedding_weight, text_weight)
+        for store in stores:
+            await self.book.touch(store.id)
+        results = [await self._result(h.store_id, h.file_id, h.score, h.text) for h in hits
+                   if h.score >= score_threshold]
+        return [r for r in results if r is not None]
+
+    async def _result(self, store_id: str, file_id: str, score: float, text: str) -> SearchResult | None:
+        """The result of one chunk; None for a file still being indexed (a
+        search sees only whole files) or removed since the scan."""
+        try:
+            rec = await self.files.get(file_id, None)
+            row = await self.book.get_file(store_id, file_id)
+        except NotFound:
+            return None
+        if row.status != "completed":
+            return None
+        return SearchResult(store_id, file_id, rec.filename, round(score, 6), text, row.attributes)

@@ -1,0 +1,175 @@
+"""Chunk vectors in SQLite, and the search over them.
+
+Each chunk's embedding is a unit-length little-endian float32 BLOB, so a
+dot product is the cosine. A search reads a store's vectors in batches of
+``SCAN_BATCH`` rows on the read-only connection, scores each batch with one
+numpy matrix product and keeps only the best candidates: memory stays one
+batch, however large the store. Beside it, SQLite's FTS5 index ranks the
+chunks by BM25 for the query's words; the two rankings are fused by
+reciprocal rank (as OpenAI's hybrid search does), so a chunk that holds the
+query's words ranks high even where the embedding model is weak.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from supervisor.db import Database
+
+SCAN_BATCH = 8192
+# Rows deleted per write transaction, so a large delete never holds the
+# writer (and every other write of the service) for long.
+DELETE_BATCH = 2000
+# Reciprocal rank fusion's constant (the usual 60): ranks past the first
+# few count less and less.
+RRF_K = 60
+# Candidates each ranking contributes before fusion, per result asked.
+CANDIDATES_PER_RESULT = 5
+MIN_CANDIDATES = 50
+# The words of a query the full-text ranking uses (the rest are ignored).
+MAX_QUERY_TERMS = 32
+_WORD = re.compile(r"\w+")
+
+Vector = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class Hit:
+    chunk_id: int
+    store_id: str
+    file_id: str
+    text: str
+    score: float
+
+
+def unit(vector: Sequence[float]) -> Vector:
+    arr = np.asarray(vector, dtype=np.float32)
+    norm = float(np.linalg.norm(arr))
+    return arr / norm if norm > 0 else arr
+
+
+def to_blob(vector: Vector) -> bytes:
+    return vector.astype("<f4").tobytes()
+
+
+def fts_query(text: str) -> str:
+    """The query's words as an FTS5 OR of quoted terms: no user text is ever
+    read as FTS5 syntax (a stray quote or NEAR would be a syntax error)."""
+    words = list(dict.fromkeys(w.lower() for w in _WORD.findall(text)))[:MAX_QUERY_TERMS]
+    return " OR ".join(f'"{w}"' for w in words)
+
+
+class VectorIndex:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def insert(self, store_id: str, file_id: str, first_seq: int,
+                     texts: Sequence[str], vectors: Sequence[Vector]) -> int:
+        """Store one batch of a file's chunks; returns their bytes (text and vector)."""
+        rows = [(store_id, file_id, first_seq + i, t, to_blob(v)) for i, (t, v) in enumerate(zip(texts, vectors))]
+        async with self.db.write() as conn:
+            await conn.executemany("INSERT INTO chunks (store_id, file_id, seq, text, vector) VALUES (?, ?, ?, ?, ?)",
+                                   rows)
+        return sum(len(r[3].encode()) + len(r[4]) for r in rows)
+
+    async def delete(self, store_id: str, file_id: str | None = None) -> int:
+        """Remove a file's chunks from a store (every file's with None), in
+        short transactions; returns how many went."""
+        where, args = ("store_id = ?", (store_id,)) if file_id is None else \
+            ("store_id = ? AND file_id = ?", (store_id, file_id))
+        removed = 0
+        while True:
+            async with self.db.write() as conn:
+                cur = await conn.execute(
+                    f"DELETE FROM chunks WHERE id IN (SELECT id FROM chunks WHERE {where} LIMIT ?)",
+                    (*args, DELETE_BATCH))
+                gone = cur.rowcount
+            removed += gone
+            if gone < DELETE_BATCH:
+                return removed
+
+    async def count(self, store_id: str, file_id: str) -> int:
+        async with self.db.reader.execute("SELECT count(*) FROM chunks WHERE store_id = ? AND file_id = ?",
+                                          (store_id, file_id)) as cur:
+            row = await cur.fetchone()
+        return int(row[0]) if row is not None else 0
+
+    async def nearest(self, store_ids: Sequence[str], query: Vector, k: int,
+                      batch: int = SCAN_BATCH) -> list[tuple[int, float]]:
+        """The ``k`` chunks of ``store_ids`` closest to ``query``: (chunk id,
+        cosine), best first. Rows whose width is not the query's are skipped
+        (a store indexed by another model)."""
+        width = int(query.shape[0]) * 4
+        best_ids = np.empty(0, dtype=np.int64)
+        best_scores = np.empty(0, dtype=np.float32)
+        for store_id in store_ids:
+            last = -1
+            while True:
+                async with self.db.reader.execute(
+                        "SELECT id, vector FROM chunks WHERE store_id = ? AND id > ? AND length(vector) = ?"
+                        " ORDER BY id LIMIT ?", (store_id, last, width, batch)) as cur:
+                    rows = list(await cur.fetchall())
+                if not rows:
+                    break
+                last = int(rows[-1][0])
+                ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+                matrix = np.frombuffer(b"".join(r[1] for r in rows), dtype="<f4").reshape(len(rows), -1)
+                scores = matrix @ query
+                best_ids, best_scores = _top(np.concatenate([best_ids, ids]),
+                                             np.concatenate([best_scores, scores]), k)
+                if len(rows) < batch:
+                    break
+        return [(int(i), float(s)) for i, s in zip(best_ids, best_scores)]
+
+    async def keyword(self, store_ids: Sequence[str], query: str, k: int) -> list[int]:
+        """The ``k`` chunks of ``store_ids`` with the best BM25 for the query's words."""
+        match = fts_query(query)
+        if not match or not store_ids:
+            return []
+        marks = ",".join("?" * len(store_ids))
+        async with self.db.reader.execute(
+                "SELECT chunks_fts.rowid FROM chunks_fts JOIN chunks ON chunks.id = chunks_fts.rowid"
+                f" WHERE chunks_fts MATCH ? AND chunks.store_id IN ({marks}) ORDER BY chunks_fts.rank LIMIT ?",
+                (match, *store_ids, k)) as cur:
+            return [int(r[0]) for r in await cur.fetchall()]
+
+    async def search(self, store_ids: Sequence[str], query_text: str, query: Vector, k: int,
+                     embedding_weight: float = 1.0, text_weight: float = 1.0) -> list[Hit]:
+        """The ``k`` best chunks by the fused ranking, best first. A score is
+        the fused reciprocal-rank sum over the best one possible (first in
+        both rankings), so it lies in (0, 1]."""
+        wanted = max(MIN_CANDIDATES, k * CANDIDATES_PER_RESULT)
+        fused: dict[int, float] = {}
+        if embedding_weight > 0:
+            for rank, (chunk_id, _) in enumerate(await self.nearest(store_ids, query, wanted)):
+                fused[chunk_id] = fused.get(chunk_id, 0.0) + embedding_weight / (RRF_K + rank + 1)
+        if text_weight > 0:
+            for rank, chunk_id in enumerate(await self.keyword(store_ids, query_text, wanted)):
+                fused[chunk_id] = fused.get(chunk_id, 0.0) + text_weight / (RRF_K + rank + 1)
+        best = (embedding_weight + text_weight) / (RRF_K + 1)
+        top = sorted(fused.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+        if not top:
+            return []
+        rows = await self._rows([c for c, _ in top])
+        return [Hit(c, *rows[c], score=min(1.0, s / best)) for c, s in top if c in rows]
+
+    async def _rows(self, chunk_ids: list[int]) -> dict[int, tuple[str, str, str]]:
+        marks = ",".join("?" * len(chunk_ids))
+        async with self.db.reader.execute(f"SELECT id, store_id, file_id, text FROM chunks WHERE id IN ({marks})",
+                                          chunk_ids) as cur:
+            return {int(r[0]): (r[1], r[2], r[3]) for r in await cur.fetchall()}
+
+
+def _top(ids: npt.NDArray[np.int64], scores: npt.NDArray[np.float32],
+         k: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """The ``k`` highest scores (and their ids), best first."""
+    if len(scores) > k:
+        keep = np.argpartition(-scores, k - 1)[:k]
+        ids, scores = ids[keep], scores[keep]
+    order = np.argsort(-scores, kind="stable")
+    return ids[order], scores[order]
