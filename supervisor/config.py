@@ -311,6 +311,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     code_interpreter_python: str = ""
     code_interpreter_uid: Annotated[int, msgspec.Meta(ge=1)] = 65534
     code_interpreter_gid: Annotated[int, msgspec.Meta(ge=1)] = 65534
+    # Hosted tool web_search (supervisor/responses/hosted/web_search.py): a
+    # SearXNG search endpoint answering format=json ("": off; the address
+    # rules of MCP servers apply), the results one search hands the model
+    # at most, and the seconds one search may take.
+    web_search_searxng_url: str = ""
+    web_search_max_results: Annotated[int, msgspec.Meta(ge=1, le=50)] = 8
+    web_search_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=300.0)] = 10.0
     # Running as a service: auth, proxies, logs (supervisor/auth.py, proxies.py, logs.py)
     admin_token: str = ""  # plain, or a scrypt$ hash from `gpuvisor keys admin-token`
     api_keys: list[str] = []  # "NAME:ID:scrypt$..." from `gpuvisor keys add NAME --print-config`
