@@ -94,7 +94,9 @@ class RayLauncher:
         self._ray: Any = None
         self._joining: asyncio.Future[Any] | None = None
         self._agents: dict[str, _Agent] = {}
-        self._lock = asyncio.Lock()
+        # One per node: creating an agent on a node that is going away waits
+        # for Ray's answer, which must not hold up starts and readings elsewhere.
+        self._locks: dict[str, asyncio.Lock] = {}
         # Node id -> its name, kept while the node is alive (device ids hold it).
         self._names: dict[str, str] = {}
         # The alive nodes by name, as last listed.
@@ -109,11 +111,10 @@ class RayLauncher:
         if "--tcp" not in address:
             raise ClusterError('workers on cluster nodes dial back over TCP: set worker_listen = "tcp:HOST"')
         node = _spec_node(spec)
-        async with self._lock:
-            if node:
-                agent = await self._agent_on(await self._node_id(node))
-            else:
-                agent = await self._agent(_gpus_needed(spec))
+        if node:
+            agent = await self._agent_on(await self._node_id(node))
+        else:
+            agent = await self._agent(_gpus_needed(spec))
         engine_socket = agent.run_dir / f"{stem}.e.sock"
         argv = worker_argv(spec, timing, address, engine_socket)
         log_name = self.log_path(spec).name
@@ -181,12 +182,12 @@ class RayLauncher:
         self._alive = {n.name: n for n in nodes}
         for node_id in [i for i in self._agents if i not in ids]:
             del self._agents[node_id]  # its node is gone, and the agent with it
+        self._locks = {i: lock for i, lock in self._locks.items() if i in ids or lock.locked()}
         return nodes
 
     async def read_node(self, node_id: str) -> dict[str, Any]:
         """The node agent's memory reading there (node_agent.NodeAgent.read_memory)."""
-        async with self._lock:
-            agent = await self._agent_on(node_id)
+        agent = await self._agent_on(node_id)
         try:
             reading: dict[str, Any] = await _bounded(agent.actor.read_memory.remote(), READ_TIMEOUT)
         except ClusterError:
@@ -210,11 +211,13 @@ class RayLauncher:
         return await self._agent_on(node_id)
 
     async def _agent_on(self, node_id: str) -> _Agent:
-        """The agent of this node, created there if it has none."""
+        """The agent of this node, created there if it has none (once: the node's lock)."""
         ray = await self._connect()
-        agent = self._agents.get(node_id)
-        if agent is not None:
-            return agent
+        async with self._locks.setdefault(node_id, asyncio.Lock()):
+            agent = self._agents.get(node_id)
+            return agent if agent is not None else await self._new_agent(ray, node_id)
+
+    async def _new_agent(self, ray: Any, node_id: str) -> _Agent:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from supervisor.workers.node_agent import NodeAgent
@@ -222,7 +225,12 @@ class RayLauncher:
         actor = ray.remote(NodeAgent).options(
             num_cpus=0, max_restarts=0, max_concurrency=1000,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
-        where = await _bounded(actor.where.remote())
+        try:
+            where = await _bounded(actor.where.remote())
+        except BaseException:
+            # Not answered (its node going away, or this start cancelled): none is left waiting there.
+            ray.kill(actor, no_restart=True)
+            raise
         agent = self._agents[node_id] = _Agent(node_id, actor, Path(str(where["run_dir"])), int(where["pid"]))
         log.info("node agent on %s (%s): pid %d", node_id[:12], where["host"], agent.pid)
         return agent
