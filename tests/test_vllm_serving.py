@@ -1,6 +1,6 @@
 """A Hugging Face model served by a vLLM worker through the real server: its
 fit's KV budget, streamed deltas, cancel, parallel requests, speculative
-decoding (vLLM's prompt lookup keeps the greedy text).
+decoding (vLLM's prompt lookup and a draft model keep the greedy text).
 
 One worker for the whole module: vLLM's start takes half a minute on the
 CPU. Needs the vLLM environment (``make install-vllm``) and the train extra
@@ -9,8 +9,10 @@ CPU. Needs the vLLM environment (``make install-vllm``) and the train extra
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
+import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +33,7 @@ if not VLLM_PYTHON:
 
 from tests.lora_support import random_adapter  # noqa: E402
 from tests.tiny_hf import build_vllm_model, put_in_hub_cache  # noqa: E402
+from tests.tiny_vision import png  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-vllm"
@@ -40,6 +43,8 @@ ADAPTER = "tiny-lora"
 # draft with vLLM's prompt lookup (n-grams) in the config file.
 HUB_MODEL = "lab/tiny-vllm-hub"
 DRAFT_MAX = 4
+# The model's weights with two tokens' ids swapped in its tokenizer: no draft for it.
+OTHER_VOCAB = "tiny-vllm-swapped"
 # Long enough that a stream cancelled after its first chunk cannot have ended by itself.
 N_CTX = 16384
 
@@ -52,6 +57,7 @@ def srv() -> Iterator[Server]:
     random_adapter(models / MODEL, models / ADAPTER, seed=1, r=20, alpha=40)
     hub = models.parent / f"{models.name}-hub"
     put_in_hub_cache(models / MODEL, hub, HUB_MODEL)
+    _swapped_vocab(models / MODEL, models / OTHER_VOCAB)
     env = {"GPUVISOR_VLLM_PYTHON": VLLM_PYTHON, "GPUVISOR_PARALLEL": "2", "GPUVISOR_N_CTX": str(N_CTX),
            "HF_HUB_CACHE": str(hub)}
     config = models.parent / f"{models.name}.toml"
@@ -61,6 +67,15 @@ def srv() -> Iterator[Server]:
         assert r.status_code == 200, r.text
         server.wait_worker(lambda w: w["state"] == "ready", timeout=240)
         yield server
+
+
+def _swapped_vocab(src: Path, dst: Path) -> None:
+    shutil.copytree(src, dst)
+    tok = json.loads((dst / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.__getitem__)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (dst / "tokenizer.json").write_text(json.dumps(tok))
 
 
 def _body(max_tokens: int, content: str = "What colour is the sky?") -> dict[str, Any]:
@@ -249,6 +264,17 @@ def test_a_peft_adapter_is_served_on_its_base(srv: Server) -> None:
     assert srv.worker(MODEL)["pid"] == pid  # served by the one worker, never reloaded
 
 
+def test_an_image_is_refused_naming_it_since_vllm_workers_serve_text_only(srv: Server) -> None:
+    image = "data:image/png;base64," + base64.b64encode(png(8, 8, (200, 30, 30))).decode()
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": image}}]
+    r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("vision_unavailable", "messages[0].content[1]"), err
+    assert srv.worker(MODEL)["state"] == "ready"
+
+
 # A vLLM start beside two running engines on a busy 2-core machine was seen
 # to take over 4 minutes: the request that starts one gets a coarse bound.
 START_S = 500
@@ -275,7 +301,7 @@ def test_embeddings_through_the_pooling_runner(srv: Server) -> None:
     assert srv.worker(MODEL)["state"] == "ready"
 
 
-@pytest.mark.timeout(START_S + 60)
+@pytest.mark.timeout(2 * START_S + 60)
 def test_a_hub_cache_snapshot_serves_and_drafts_with_the_same_text(srv: Server) -> None:
     models = {m["id"]: m for m in httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"]}
     assert (models[HUB_MODEL]["engine"], models[HUB_MODEL]["state"]) == ("vllm", "unloaded"), models.get(HUB_MODEL)
@@ -299,18 +325,52 @@ def test_a_hub_cache_snapshot_serves_and_drafts_with_the_same_text(srv: Server) 
         assert (shown["mode"], shown["draft_max"], shown["error"]) == ("ngram", DRAFT_MAX, None), shown
         assert shown["draft_tokens"] >= state["draft_tokens"], shown  # counts since the start, read later
         assert srv.worker(MODEL)["stats"]["draft_tokens"] == 0
+        _drafts_with_a_draft_model(srv, body, same.json()["choices"][0]["message"]["content"])
     finally:  # one vLLM worker less for the tests after this one
         httpx.post(f"{srv.base_url}/api/models/{HUB_MODEL}/unload", timeout=60)
 
 
-def test_a_draft_mode_vllm_does_not_offer_here_is_refused_before_any_start(srv: Server) -> None:
+def _drafts_with_a_draft_model(srv: Server, body: dict[str, Any], plain: str) -> None:
+    """HUB_MODEL reloaded with MODEL's dir drafting for it: the same weights,
+    so the drafts are the target's own greedy choices and most are kept."""
+    pid = srv.worker(HUB_MODEL)["pid"]
+    r = httpx.post(f"{srv.base_url}/api/models/{HUB_MODEL}/load", timeout=START_S,
+                   json={"speculative": "draft", "draft_model": MODEL, "draft_max": 3})
+    assert r.status_code == 200, r.text
+    srv.wait_worker(lambda w: w["state"] == "ready" and w["pid"] != pid, HUB_MODEL, timeout=START_S)
+    r = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "model": HUB_MODEL}, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == plain, r.text
+    state = srv.wait_worker(lambda w: bool(w["stats"]) and w["stats"]["draft_tokens"] > 0, HUB_MODEL,
+                            timeout=30)["stats"]
+    assert state["draft_tokens"] / 2 < state["draft_accepted"] <= state["draft_tokens"], state
+    item = httpx.get(f"{srv.base_url}/api/models/{HUB_MODEL}", timeout=10).json()
+    shown = item["speculative"]
+    assert (shown["mode"], shown["draft_model"], shown["draft_max"]) == ("draft", MODEL, 3), shown
+    # The fit holds the draft's KV pages beside the target's (1 KiB a token
+    # each), and vLLM counts as many tokens in the budget the worker gave it.
+    assert item["fit"]["kv_bytes"] == N_CTX * 2 * 2048, item["fit"]
+    log = httpx.get(f"{srv.base_url}/api/models/{HUB_MODEL}/log", timeout=10).text
+    found = re.findall(r"KV cache size: ([\d,]+) tokens", log)
+    assert found and int(found[-1].replace(",", "")) == N_CTX * 2, log[-2000:]
+
+
+def test_drafting_vllm_cannot_do_is_refused_before_any_start(srv: Server) -> None:
     pid = srv.worker(MODEL)["pid"]
-    for body in ({"speculative": "draft", "draft_model": HUB_MODEL}, {"speculative": "mtp"}):
+
+    def load(body: dict[str, Any]) -> dict[str, Any]:
         r = httpx.post(f"{srv.base_url}/api/models/{MODEL}/load", json=body, timeout=60)
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert (err["code"], err["param"]) == ("speculative_unavailable", "speculative"), err
-        assert "ngram" in err["message"], err
+        assert r.status_code in (400, 404), r.text
+        return dict(r.json()["error"])
+
+    err = load({"speculative": "mtp"})
+    assert (err["code"], err["param"]) == ("speculative_unavailable", "speculative"), err
+    err = load({"speculative": "draft", "draft_model": "no-such-model"})
+    assert (err["code"], err["param"]) == ("model_not_found", "draft_model"), err
+    err = load({"speculative": "draft", "draft_model": OTHER_VOCAB})
+    assert (err["code"], err["param"]) == ("draft_vocab_mismatch", "draft_model"), err
+    assert "tokenizer.json" in err["message"], err
+    err = load({"speculative": "draft", "draft_model": MODEL})
+    assert (err["code"], err["param"]) == ("draft_unusable", "draft_model"), err
     assert srv.worker(MODEL)["pid"] == pid and srv.worker(MODEL)["state"] == "ready"
 
 

@@ -16,6 +16,7 @@ from typing import Protocol
 from supervisor.config import ModelSettings
 from supervisor.errors import BadRequest, ModelNotFound
 from supervisor.models.gguf_header import GgufError
+from supervisor.models.hf_draft import check_hf_draft
 from supervisor.models.kvsize import (
     KvOptions,
     compute_buffer_bytes,
@@ -72,29 +73,45 @@ def plan_speculative(entry: ModelEntry, settings: ModelSettings, models: DraftSo
     low, high = settings.draft_lengths()
     if mode == "off":
         return SpeculativePlan()
-    if entry.kind == "hf" and mode != "ngram":
-        # vLLM drafts with a model dir of its own kind, which this plan (GGUF
-        # drafts, their headers' vocab and memory) does not size yet.
-        raise BadRequest(f"model '{entry.id}' runs in vLLM, where speculative = \"ngram\" is offered; "
-                         f"\"{mode}\" is not yet", param="speculative", code="speculative_unavailable")
+    if entry.kind == "hf" and mode == "mtp":
+        # vLLM's MTP needs a checkpoint with MTP layers, which hf_info does not read yet.
+        raise BadRequest(f"model '{entry.id}' runs in vLLM, where speculative = \"ngram\" or \"draft\" is "
+                         'offered; "mtp" is not yet', param="speculative", code="speculative_unavailable")
     if mode == "mtp" and not has_mtp(entry):
         raise BadRequest(f"model '{entry.id}' has no MTP layers (its header sets no nextn_predict_layers); "
                          'use speculative = "draft" with a draft_model, or "ngram"',
                          param="speculative", code="mtp_unavailable")
     if mode != "draft":
         return SpeculativePlan(SpeculativeOptions(mode, "", low, high))
+    if entry.kind == "hf":
+        # vLLM's draft_model: a Hugging Face model dir of the same vocabulary.
+        draft = usable_entry(settings.draft_model or "", models)
+        check_hf_draft(entry, draft)
+        return SpeculativePlan(SpeculativeOptions("draft", draft.path, low, high), draft)
     draft = draft_entry(settings.draft_model or "", models)
     check_vocab(entry, draft)
     return SpeculativePlan(SpeculativeOptions("draft", draft.path, low, high), draft)
 
 
-def draft_entry(draft_id: str, models: DraftSource) -> ModelEntry:
+def usable_entry(draft_id: str, models: DraftSource) -> ModelEntry:
     """The library entry of a draft model, refused (naming draft_model) unless usable."""
     draft = models.entry(draft_id)
     if draft is None:
         raise ModelNotFound(f"draft_model '{draft_id}' does not exist in the model library",
                             param="draft_model")
-    if not draft.usable or draft.info is None:
+    if not draft.usable:
+        raise BadRequest(f"draft_model '{draft_id}' cannot be used: {draft.reason or 'unusable'}",
+                         param="draft_model", code="draft_unusable")
+    return draft
+
+
+def draft_entry(draft_id: str, models: DraftSource) -> ModelEntry:
+    """The GGUF entry of a draft model for a GGUF target, refused (naming draft_model) unless usable."""
+    draft = usable_entry(draft_id, models)
+    if draft.kind == "hf":
+        raise BadRequest(f"draft_model '{draft_id}' is a Hugging Face model dir; a GGUF model drafts with "
+                         "a GGUF", param="draft_model", code="draft_unusable")
+    if draft.info is None:
         raise BadRequest(f"draft_model '{draft_id}' cannot be used: {draft.reason or 'its header is unreadable'}",
                          param="draft_model", code="draft_unusable")
     if draft.info.is_projector:

@@ -17,7 +17,10 @@ the one that decides. The sizes follow vLLM's own accounting
 - activations: an upper estimate of one step of ``max_num_batched_tokens``
   (attention, MLP and logits rows), counted in f32;
 - a fixed reserve for the runtime (CUDA context and graphs on a GPU; torch
-  and the engine processes themselves in RAM).
+  and the engine processes themselves in RAM);
+- a draft model (speculative decoding, ``draft``): its weights, its KV pages
+  for the same sequences and context (vLLM keeps them in the one KV cache,
+  and the worker's budget holds both), and its activations.
 
 The decision is a :class:`~supervisor.models.memfit.ContextDecision`, as for
 GGUF models, so the pool and the API report it alike: ``n_ctx`` is vLLM's
@@ -101,11 +104,14 @@ def activation_bytes(info: HfInfo, opts: HfKvOptions) -> int:
     return 4 * (opts.max_num_batched_tokens * per_token + logits)
 
 
-def hf_need(info: HfInfo, max_model_len: int, opts: HfKvOptions, reserve_bytes: int) -> Need:
-    dtype = load_dtype(info)
-    weights = weight_bytes(info, dtype)
-    kv = kv_cache_bytes(info, max_model_len, opts, dtype)
-    compute = activation_bytes(info, opts)
+def hf_need(info: HfInfo, max_model_len: int, opts: HfKvOptions, reserve_bytes: int,
+            draft: HfInfo | None = None) -> Need:
+    weights = kv = compute = 0
+    for model in (info, draft) if draft is not None else (info,):
+        dtype = load_dtype(model)
+        weights += weight_bytes(model, dtype)
+        kv += kv_cache_bytes(model, max_model_len, opts, dtype)
+        compute += activation_bytes(model, opts)
     return Need(weights, kv, compute, weights + kv + compute + reserve_bytes)
 
 
@@ -119,6 +125,7 @@ def choose_hf_context(
     floor: int = 2048,
     reserve_bytes: int | None = None,
     memory_kind: str = "gpu",
+    draft: HfInfo | None = None,
 ) -> ContextDecision:
     """The ``max_model_len`` to start vLLM with, or :class:`DoesNotFit`.
 
@@ -135,7 +142,7 @@ def choose_hf_context(
     goal = min(target or native, native)
 
     def need(n_ctx: int) -> Need:
-        return hf_need(info, n_ctx, opts, reserve)
+        return hf_need(info, n_ctx, opts, reserve, draft)
 
     def decide(n_ctx: int, reason: str) -> ContextDecision:
         return _decision(info, n_ctx, reason, need(n_ctx), requested, native, free_bytes, reserve,
@@ -156,15 +163,15 @@ def choose_hf_context(
 
 
 def plan_hf_load(info: HfInfo, *, requested: int | None, target_ctx: int, min_ctx: int,
-                 free_bytes: int, memory_kind: str, slots: int) -> ContextDecision:
-    """The fit of a vLLM worker with ``slots`` sequences, as
-    supervisor/models/placement.py asks it of every model."""
+                 free_bytes: int, memory_kind: str, slots: int, draft: HfInfo | None = None) -> ContextDecision:
+    """The fit of a vLLM worker with ``slots`` sequences (and ``draft``
+    drafting for it), as supervisor/models/placement.py asks it of every model."""
     native = info.context_length or target_ctx or 4096
     opts = HfKvOptions(max_num_seqs=max(1, slots),
                        block_size=GPU_BLOCK_SIZE if memory_kind == "gpu" else CPU_BLOCK_SIZE)
     return choose_hf_context(info, free_bytes=free_bytes, opts=opts, requested=requested,
                              target=min(target_ctx or native, native) if requested is None else None,
-                             floor=min(min_ctx, native), memory_kind=memory_kind)
+                             floor=min(min_ctx, native), memory_kind=memory_kind, draft=draft)
 
 
 def _largest_fitting(need: Callable[[int], Need], lowest: int, highest: int, free_bytes: int) -> int | None:

@@ -129,7 +129,8 @@ def plan_load(entry: ModelEntry, settings: ModelSettings, *, explicit_ctx: bool,
             raise BadRequest("rope_scaling applies to GGUF models (llama.cpp); this one runs in vLLM",
                              param="rope_scaling")
         hf = plan_hf_load(entry.hf, requested=requested, target_ctx=target_ctx, min_ctx=min_ctx,
-                          free_bytes=free_bytes, memory_kind=memory_kind, slots=ask.base)
+                          free_bytes=free_bytes, memory_kind=memory_kind, slots=ask.base,
+                          draft=draft.draft.hf if draft is not None and draft.draft is not None else None)
         return msgspec.structs.replace(hf, slots=ask.base, slots_reason=f"parallel {ask.base}")
     info = entry.info
     if info is None:
