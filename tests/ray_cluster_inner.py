@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,7 @@ FAST_HEALTH_CHECK = {"RAY_health_check_period_ms": "500", "RAY_health_check_time
 class Cluster:
     address: str
     nodes: dict[str, str]  # node name -> node id
+    start_node: Callable[[str], None]  # starts (again) the node of this name
 
 
 def _fake_smi(bin_dir: Path, name: str) -> None:
@@ -107,20 +108,25 @@ def cluster() -> Iterator[Cluster]:
     try:
         _ray("start", "--head", f"--port={HEAD_PORT}", "--num-gpus=0", "--include-dashboard=false",
              "--disable-usage-stats", *common, env={**env, **FAST_HEALTH_CHECK})
-        for name, free in FREE_MIB.items():
+
+        def start_node(name: str) -> None:
             path = env["PATH"]
-            if free is not None:
-                _fake_smi(temp / name, name)
+            if FREE_MIB[name] is not None:
+                if not (temp / name).exists():
+                    _fake_smi(temp / name, name)
                 path = f"{temp / name}:{path}"
             _ray("start", f"--address={ADDRESS}", "--num-gpus=1", f"--labels=gpuvisor-node={name}", *common,
                  env={**env, "PATH": path})
+
+        for name in FREE_MIB:
+            start_node(name)
         import ray
 
         ray.init(address=ADDRESS, log_to_driver=False)
         nodes = {n["Labels"].get("gpuvisor-node", ""): n["NodeID"] for n in ray.nodes()
                  if n["Alive"] and n["Resources"].get("GPU", 0) >= 1}
         assert set(nodes) == set(FREE_MIB), ray.nodes()
-        yield Cluster(ADDRESS, nodes)
+        yield Cluster(ADDRESS, nodes, start_node)
     finally:
         if "ray" in sys.modules:
             # A driver still connected when its raylet stops exits with an error.
@@ -277,6 +283,7 @@ def test_a_chat_streams_through_a_node_and_a_killed_parent_leaves_no_worker(
                          srv.log_text())
         gpus = _gpu(srv)
         assert gpus["node-b/cuda:0"]["workers"] == ["tiny"] and gpus["node-a/cuda:0"]["workers"] == []
+        assert psutil.Process(pid).environ()["CUDA_VISIBLE_DEVICES"] == "0"  # node-b's GPU 0, pinned there
         agent = _agent_of(pid)
         placed = re.search(r"tiny placed on node-b/cuda:0 in ([0-9.]+)s", srv.log_text())
         assert placed is not None, srv.log_text()[-3000:]
@@ -373,3 +380,8 @@ def test_a_node_lost_mid_stream_ends_the_stream_and_the_model_comes_back_on_anot
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
         assert gpus["node-a/cuda:0"]["node"] == "node-a"
+        # node-b starts again (a new Ray node, the same name): its GPU joins the lease again, free.
+        cluster.start_node("node-b")
+        gpus = poll_until(lambda: _gpu(srv), lambda g: "node-b/cuda:0" in g, timeout=90)
+        assert gpus["node-b/cuda:0"]["workers"] == [] and gpus["node-b/cuda:0"]["memory"]["free_mib"] == 16384
+        assert gpus["node-a/cuda:0"]["workers"] == ["tiny"]  # a model that runs stays where it is

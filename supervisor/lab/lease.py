@@ -19,7 +19,8 @@ measured once vacated (after the evicted workers' memory came back), and
 their memory is expected back at the job's end.
 
 On a machine without a GPU the lease manages one logical device, ``cpu``, so
-the same code paths run everywhere.
+the same code paths run everywhere. What a device is, and the list found at
+start: supervisor/lab/lease_devices.py (its names stay importable from here).
 
 With a Ray cluster configured, the devices of its nodes join the lease as
 node/GPU pairs (``node-a/cuda:0``) while the node is alive
@@ -39,19 +40,20 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from supervisor.lab.lease_devices import CPU as CPU
+from supervisor.lab.lease_devices import NVIDIA_SMI_QUERY as NVIDIA_SMI_QUERY
+from supervisor.lab.lease_devices import Device as Device
+from supervisor.lab.lease_devices import cpu_device as cpu_device
+from supervisor.lab.lease_devices import cuda_visible_devices as cuda_visible_devices
+from supervisor.lab.lease_devices import detect_devices as detect_devices
+from supervisor.lab.lease_devices import device_from_id as device_from_id
+from supervisor.lab.lease_devices import devices_from_readings as devices_from_readings
+from supervisor.lab.lease_devices import parse_nvidia_smi as parse_nvidia_smi
 from supervisor.models.devices import DeviceReadError, GpuReading
 from supervisor.models.gpu_reading import device_node, node_device
 from supervisor.models.settle import Settler
 
 log = logging.getLogger("gpuvisor.lease")
-
-CPU = "cpu"
-NVIDIA_SMI_QUERY = (
-    "nvidia-smi",
-    "--query-gpu=index,name,memory.total",
-    "--format=csv,noheader,nounits",
-)
-
 
 class DeviceUsers(Protocol):
     """What the lease needs from the worker pool."""
@@ -61,86 +63,6 @@ class DeviceUsers(Protocol):
         gets up to ``drain_timeout`` seconds, then is cancelled with an error
         carrying ``reason``); return once their process groups have exited."""
         ...
-
-
-@dataclass(frozen=True)
-class Device:
-    id: str
-    name: str
-    index: int | None = None
-    memory_total_mib: int | None = None
-    node: str = ""  # the cluster node it is on ("" = this machine)
-
-
-def cpu_device() -> Device:
-    return Device(CPU, "CPU (no GPU detected)")
-
-
-def device_from_id(device_id: str) -> Device:
-    """A configured device id: ``cpu`` or ``cuda:N``."""
-    if device_id == CPU:
-        return cpu_device()
-    prefix, _, idx = device_id.partition(":")
-    if prefix != "cuda" or not idx.isdigit():
-        raise ValueError(f"device {device_id!r} must be 'cpu' or 'cuda:N'")
-    return Device(device_id, device_id, int(idx))
-
-
-def parse_nvidia_smi(text: str) -> list[Device]:
-    """Parse ``index, name, memory.total`` CSV lines (MiB, with or without unit)."""
-    devices = []
-    for line in text.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 3 or not parts[0].isdigit():
-            continue
-        mem = parts[-1].split()[0] if parts[-1] else ""
-        devices.append(
-            Device(
-                f"cuda:{parts[0]}",
-                ", ".join(parts[1:-1]),
-                int(parts[0]),
-                int(float(mem)) if mem.replace(".", "", 1).isdigit() else None,
-            )
-        )
-    return devices
-
-
-async def detect_devices(
-    configured: Sequence[str] = (),
-    command: Sequence[str] = NVIDIA_SMI_QUERY,
-    timeout: float = 10.0,
-) -> list[Device]:
-    """Configured ids win; else ask nvidia-smi; none or failure -> ``cpu``."""
-    if configured:
-        return [device_from_id(d) for d in configured]
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *command,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-    except OSError:
-        return [cpu_device()]
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        return [cpu_device()]
-    found = parse_nvidia_smi(out.decode(errors="replace")) if proc.returncode == 0 else []
-    return found or [cpu_device()]
-
-
-def cuda_visible_devices(devices: Sequence[Device]) -> str:
-    """The CUDA_VISIBLE_DEVICES value exposing exactly these devices."""
-    return ",".join(str(d.index) for d in devices if d.index is not None)
-
-
-def devices_from_readings(readings: Sequence[GpuReading]) -> list[Device]:
-    """The lease's devices for these GPUs; ``cpu`` alone when there is none."""
-    found = [Device(r.device_id, r.name, r.index, r.total_bytes >> 20, r.node) for r in readings]
-    return found or [cpu_device()]
 
 
 RequestState = Literal["waiting", "draining", "holding"]
