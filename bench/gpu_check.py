@@ -10,9 +10,15 @@ Reports, as one JSON object and a few lines of text:
   memory use while it ran (nvidia-smi's memory.used, per GPU) and its
   processes' peak VRAM, each rank's torch.cuda.max_memory_allocated against
   the job's own estimate, training tokens/s;
-- serving: the placement shown in /api/models, the VRAM the worker took
-  (free memory before and after the load) against the memory fit's
-  estimate, and tokens/s at 1, 4 and 16 concurrent streams.
+- serving (``serving``, a GGUF on llama.cpp): the placement shown in
+  /api/models, the VRAM the worker took (free memory before and after the
+  load) against the memory fit's estimate, and tokens/s at 1, 4 and 16
+  concurrent streams;
+- serving on vLLM (``serving_vllm``, a tiny random Hugging Face model of the
+  same shape, where a Python with vLLM is at hand: ``--vllm-python``): the
+  same readings at 1, 16 and 64 concurrent streams, the worker given 64
+  sequences and the exact KV budget our fit sizes (never vLLM's 90 % of the
+  GPU), and that budget next to the KV cache vLLM reports in its log.
 
 ``--cpu-dry-run`` runs the same steps on the CPU, so the script is
 exercised where there is no GPU: the fine-tune books ``--ft-gpus`` (default
@@ -43,6 +49,7 @@ import psutil
 
 from jobs.kinds import validate_params
 from jobs.params import ResolveContext, Roots
+from supervisor.config import default_vllm_python
 from supervisor.db import Database
 from supervisor.lab.gpu_setup import build_lease
 from supervisor.lab.runner import JobRunner, RunnerSettings
@@ -52,6 +59,8 @@ from supervisor.models.devices import DeviceReadError, SmiSource
 
 MIB = 1 << 20
 _LISTEN = re.compile(r"gpuvisor listening on http://[^:]+:(\d+)")
+# vLLM's own figure for the KV budget it was given ("GPU KV cache size: N tokens"; "CPU ..." on the CPU build).
+_VLLM_KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 
 
 def _tiny_hf() -> ModuleType:
@@ -196,15 +205,16 @@ def _watch(pid: int | None, lease_state: dict[str, Any], seen: dict[str, Any]) -
         peaks[index] = max(peaks.get(index, 0), mib)
 
 
-def start_server(work: Path, streams: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(work: Path, streams: int, models_dir: Path,
+                 extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     log_path = work / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUVISOR_")}
     env.update(GPUVISOR_PARALLEL=str(streams), GPUVISOR_N_CTX="1024", GPUVISOR_WRITE_DEMO_MODEL="false",
-               GPUVISOR_QUEUE_LIMIT="256")
+               GPUVISOR_QUEUE_LIMIT="256", **(extra_env or {}))
     with log_path.open("ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "supervisor", "serve", "--host", "127.0.0.1",
                                  "--port", "0", "--state-dir", str(work / "srv"), "--models-dir",
-                                 str(work / "gguf")], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                 str(models_dir)], stdout=log, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -229,14 +239,39 @@ async def _stream_tokens(http: aiohttp.ClientSession, base: str, max_tokens: int
 
 
 async def serve_check(work: Path, model: Path | None, max_tokens: int) -> dict[str, Any]:
+    """A GGUF on llama.cpp at 1, 4 and 16 streams."""
     (work / "gguf").mkdir(parents=True, exist_ok=True)
     target = work / "gguf" / "check.gguf"
     if model is not None:
         target.symlink_to(model.resolve())
     else:
         write_tiny_gguf(target, n_embd=512, n_layer=8, n_head=8, n_head_kv=4, n_ff=1408, n_ctx=4096)
+    return await _serve_and_measure(work, work / "gguf", {}, (1, 4, 16), max_tokens)
+
+
+# The vLLM kind's streams: one, a GPU's usual batch, and a full one.
+VLLM_STREAMS = (1, 16, 64)
+
+
+async def vllm_serve_check(work: Path, vllm_python: str, max_tokens: int, cpu: bool) -> dict[str, Any]:
+    """A tiny random Hugging Face model of the GGUF check model's shape (head
+    dim 64, which vLLM's CPU attention also takes) on vLLM at 1, 16 and 64
+    streams; on a CPU dry run the small test shape."""
+    models = work / "hf"
+    shape = {} if cpu else {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
+                            "num_attention_heads": 8, "num_key_value_heads": 4}
+    _tiny_hf().build_vllm_model(models / "check", max_position_embeddings=4096, **shape)
+    out = await _serve_and_measure(work, models, {"GPUVISOR_VLLM_PYTHON": vllm_python}, VLLM_STREAMS, max_tokens)
+    out["vllm_kv_cache_tokens"] = out.pop("engine_kv_tokens")
+    return out
+
+
+async def _serve_and_measure(work: Path, models_dir: Path, env: dict[str, str], streams: tuple[int, ...],
+                             max_tokens: int) -> dict[str, Any]:
+    """Serve the model ``check`` from ``models_dir`` with as many slots as the
+    most streams; its placement, VRAM against the fit, and tokens/s per count."""
     before = SmiSource().read()
-    proc, base = start_server(work, 16)
+    proc, base = start_server(work, max(streams), models_dir, env)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
             async with http.post(f"{base}/api/models/check/load", json={}) as resp:
@@ -246,9 +281,11 @@ async def serve_check(work: Path, model: Path | None, max_tokens: int) -> dict[s
             after = SmiSource().read()
             used = {r.index: (r.free_bytes - a.free_bytes) // MIB
                     for r in before for a in after if a.index == r.index}
+            async with http.get(f"{base}/api/models/check/log") as resp:
+                log_text = await resp.text()
             await _stream_tokens(http, base, 8)  # warm-up: the first request's setup is not measured
             rates = {}
-            for n in (1, 4, 16):
+            for n in streams:
                 start = time.monotonic()
                 tokens = await asyncio.gather(*(_stream_tokens(http, base, max_tokens) for _ in range(n)))
                 rates[str(n)] = round(sum(tokens) / (time.monotonic() - start), 1)
@@ -257,8 +294,11 @@ async def serve_check(work: Path, model: Path | None, max_tokens: int) -> dict[s
         proc.wait(60)
     fit = shown.get("fit") or {}
     worker = shown.get("worker") or {}
-    return {"placement": worker.get("placement"), "vram_used_mib_per_gpu": used,
+    kv_tokens = _VLLM_KV_TOKENS.search(log_text)
+    return {"engine": shown.get("engine"), "placement": worker.get("placement"), "vram_used_mib_per_gpu": used,
             "estimate_mib": (fit.get("needed_bytes") or 0) // MIB, "n_ctx": fit.get("n_ctx"),
+            "slots": fit.get("slots"), "kv_budget_mib": (fit.get("kv_bytes") or 0) / MIB,
+            "engine_kv_tokens": int(kv_tokens.group(1).replace(",", "")) if kv_tokens else None,
             "tokens_per_s_by_streams": rates}
 
 
@@ -283,12 +323,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("torch sees no CUDA device: use --cpu-dry-run, or install a CUDA build of torch")
     with tempfile.TemporaryDirectory(prefix="gvcheck") as tmp:
         work = Path(tmp)
-        report["finetune"] = await finetune_check(work / "ft", args.cpu_dry_run, args.steps, args.hidden,
-                                                  args.layers, args.ft_gpus)
-        if report["engine_gpus"] or args.cpu_dry_run:
+        if args.no_finetune:
+            report["finetune"] = "skipped: --no-finetune"
+        else:
+            report["finetune"] = await finetune_check(work / "ft", args.cpu_dry_run, args.steps, args.hidden,
+                                                      args.layers, args.ft_gpus)
+        if "llamacpp" not in args.kinds:
+            report["serving"] = "skipped: not asked for (--kinds)"
+        elif report["engine_gpus"] or args.cpu_dry_run:
             report["serving"] = await serve_check(work / "srv", args.model, args.max_tokens)
         else:
             report["serving"] = "skipped: the installed engine is its CPU build (no CUDA build at hand)"
+        if "vllm" not in args.kinds:
+            report["serving_vllm"] = "skipped: not asked for (--kinds)"
+        elif not args.vllm_python:
+            report["serving_vllm"] = ("skipped: no Python with vLLM at hand (install vLLM on the machine, "
+                                      "or pass --vllm-python)")
+        else:
+            report["serving_vllm"] = await vllm_serve_check(work / "srv-vllm", args.vllm_python,
+                                                            args.max_tokens, args.cpu_dry_run)
     return report
 
 
@@ -307,6 +360,29 @@ def finetune_lines(ft: dict[str, Any]) -> list[str]:
     return lines
 
 
+KINDS = ("llamacpp", "vllm")
+
+
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise argparse.ArgumentTypeError(f"--kinds takes {', '.join(KINDS)}, comma-separated: {text!r}")
+    return kinds
+
+
+def vllm_line(check: dict[str, Any]) -> str:
+    """The vLLM serving check as a person reads it."""
+    rates = ", ".join(f"{n} streams {tps} tok/s" for n, tps in check["tokens_per_s_by_streams"].items())
+    placement = check["placement"] or {}
+    where = ", ".join(placement.get("devices") or []) or "?"
+    # vLLM's figure should be every sequence at full length: the budget holds exactly that.
+    asked = (check["slots"] or 0) * (check["n_ctx"] or 0)
+    return (f"vLLM on {where}: {check['slots']} sequences of {check['n_ctx']} tokens; KV budget "
+            f"{check['kv_budget_mib']:.1f} MiB, vLLM's KV cache {check['vllm_kv_cache_tokens']} tokens "
+            f"(asked {asked}); VRAM used {check['vram_used_mib_per_gpu']} MiB per GPU against an estimate of "
+            f"{check['estimate_mib']} MiB; {rates}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-dry-run", action="store_true", help="run every step on the CPU")
@@ -317,12 +393,21 @@ def main() -> None:
                     help="GPUs the fine-tune books (0: all of them; on a CPU dry run, 2 simulated)")
     ap.add_argument("--model", type=Path, help="a GGUF to serve instead of a generated tiny one")
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens per stream")
+    ap.add_argument("--kinds", type=_kinds, default=("llamacpp", "vllm"),
+                    help="engines to serve with, comma-separated (default llamacpp,vllm)")
+    ap.add_argument("--vllm-python", default=default_vllm_python(),
+                    help="a Python with vLLM and gpuvisor's worker package (default: the vLLM venv of a "
+                         "checkout; bench/gpu_check.sh passes the one it found)")
+    ap.add_argument("--no-finetune", action="store_true", help="serving only")
     ap.add_argument("--out", type=Path, help="also write the JSON report here")
     args = ap.parse_args()
     report = asyncio.run(main_async(args))
     text = json.dumps(report, indent=2)
     print(text)
-    print("\n".join(finetune_lines(report["finetune"])))
+    if isinstance(report["finetune"], dict):
+        print("\n".join(finetune_lines(report["finetune"])))
+    if isinstance(report["serving_vllm"], dict):
+        print(vllm_line(report["serving_vllm"]))
     if args.out is not None:
         args.out.write_text(text + "\n")
 

@@ -4,8 +4,10 @@
 # What it does: installs gpuvisor from the wheels folder beside this script
 # into a fresh virtual environment, runs a finetune job on CUDA through the
 # job runner, and, where the engine's CUDA build is installed, serves a model
-# on the GPU. It prints the placement, the job's CUDA_VISIBLE_DEVICES, the
-# real VRAM use against the estimate, and tokens/s (bench/gpu_check.py).
+# on the GPU (a GGUF on llama.cpp at 1, 4 and 16 streams); where vLLM is at
+# hand, it serves a Hugging Face model on vLLM at 1, 16 and 64 streams. It
+# prints the placement, the job's CUDA_VISIBLE_DEVICES, the real VRAM use
+# against the estimate, and tokens/s (bench/gpu_check.py).
 # With two or more GPUs the finetune books all of them and trains
 # data-parallel (one rank per GPU, NCCL); the report gives each GPU's memory
 # use while it ran (nvidia-smi --query-gpu) and each rank's peak against the
@@ -19,11 +21,19 @@
 # import them, so they are installed, not avoided. ./wheels/cuda/, if present,
 # holds the engine's CUDA build (an xllamacpp wheel), installed over the CPU one.
 #
+# vLLM (models of kind hf) is never in the bundle (its CUDA build and torch
+# are gigabytes): VLLM_PYTHON names a Python that imports vllm (its venv
+# gets our wheel and msgspec from ./wheels, no other dependency, as `make
+# install-vllm` does); without it the check's own Python serves vLLM where
+# the machine's site packages hold vllm; else the vLLM check is skipped and
+# the report says why.
+#
 # Build the bundle on a machine with network (same Python minor version and
 # platform as the GPU machine): `make gpu-check-bundle` writes
 # build/gpu_check/ = gpu_check.sh, gpu_check.py, tiny_hf.py, wheels/.
 #
-# Usage: gpu_check.sh [--cpu-dry-run] [--no-install] [-- ARGS for gpu_check.py]
+# Usage: [VLLM_PYTHON=...] gpu_check.sh [--cpu-dry-run] [--no-install] [-- ARGS for gpu_check.py]
+#   (gpu_check.py --kinds llamacpp,vllm picks the engines, --no-finetune skips the finetune)
 #   --cpu-dry-run  every step on the CPU, small sizes (checks the script itself)
 #   --no-install   use the current python (PYTHON, default python3) as it is
 set -euo pipefail
@@ -57,8 +67,21 @@ fi
 
 "$PYTHON" -c 'import torch, transformers, peft' \
     || { echo "torch, transformers and peft must be installed on this machine" >&2; exit 2; }
+
+VLLM_ARGS=()
+if [ -n "${VLLM_PYTHON:-}" ]; then
+    if [ "$INSTALL" = 1 ] && ! "$VLLM_PYTHON" -m pip install --quiet --no-index --no-deps \
+            --find-links "$HERE/wheels" gpuvisor msgspec; then
+        echo "gpu_check: cannot install gpuvisor's worker into VLLM_PYTHON=$VLLM_PYTHON" \
+             "(the wheels are for another Python?): the vLLM check is skipped" >&2
+    else
+        VLLM_ARGS=(--vllm-python "$VLLM_PYTHON")
+    fi
+elif "$PYTHON" -c 'import vllm' > /dev/null 2>&1; then
+    VLLM_ARGS=(--vllm-python "$PYTHON")
+fi
 if [ "$DRY" = 1 ]; then
-    set -- --cpu-dry-run --steps 3 --hidden 64 --layers 2 --max-tokens 24 "$@"
+    set -- --cpu-dry-run --steps 3 --hidden 64 --layers 2 --max-tokens 24 ${VLLM_ARGS[@]+"${VLLM_ARGS[@]}"} "$@"
 elif ! nvidia-smi -L > /dev/null 2>&1; then
     echo "nvidia-smi finds no GPU (use --cpu-dry-run to check the script itself)" >&2
     exit 2
@@ -70,6 +93,7 @@ else
         echo "gpu_check: one GPU: the finetune runs on one (data-parallel needs two or more)" >&2
     fi
     nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv >&2
+    set -- ${VLLM_ARGS[@]+"${VLLM_ARGS[@]}"} "$@"
 fi
 
 # Finetune child processes: one OpenMP thread each unless told otherwise.
