@@ -289,7 +289,10 @@ def build_app(cfg: Config) -> web.Application:
                                max_iterations=cfg.hosted_max_iterations,
                                call_timeout_s=cfg.hosted_call_timeout_s,
                                total_timeout_s=cfg.hosted_total_timeout_s,
-                               suppress_duplicates=cfg.hosted_suppress_duplicates),
+                               suppress_duplicates=cfg.hosted_suppress_duplicates,
+                               web_search_url=cfg.web_search_searxng_url,
+                               web_search_max_results=cfg.web_search_max_results,
+                               web_search_timeout_s=cfg.web_search_timeout_s),
                            open_containers=functools.partial(open_pool, cfg))
     app.cleanup_ctx.extend([auth.keys_ctx, metrics.observe_ctx, routes_vector_stores.knowledge_ctx])
     app.on_response_prepare.extend([logs.add_request_id, auth.security_headers])

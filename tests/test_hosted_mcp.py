@@ -172,7 +172,7 @@ def test_an_mcp_tool_choice_forces_that_tool(srv: Server, mcp_url: str) -> None:
 
 
 def test_other_hosted_tool_choices_are_refused_clearly(srv: Server) -> None:
-    reply = _create(srv, input="x", tools=[{"type": "web_search"}], tool_choice={"type": "web_search"})
+    reply = _create(srv, input="x", tools=[{"type": "image_generation"}], tool_choice={"type": "image_generation"})
     assert reply.status_code == 400
     error = reply.json()["error"]
     assert error["param"] == "tool_choice.type" and "not enabled" in error["message"]

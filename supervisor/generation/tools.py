@@ -78,6 +78,31 @@ class CodeInterpreterTool(msgspec.Struct, tag="code_interpreter", tag_field="typ
     container: str | CodeInterpreterAuto
 
 
+class WebSearchFilters(msgspec.Struct, kw_only=True):
+    allowed_domains: list[str] | None = None
+
+
+class WebSearchTool(msgspec.Struct, kw_only=True):
+    """Web search the server runs through its search provider, when an admin
+    sets one (supervisor/responses/hosted/web_search.py); never offered as
+    is. One Struct per type the SDK names (``web_search``, ``..._preview``...)."""
+
+    filters: WebSearchFilters | None = None
+    search_context_size: Literal["low", "medium", "high"] | None = None
+    # A hint OpenAI localizes results with; the provider here is not told.
+    user_location: dict[str, Any] | None = None
+    # False asks for cached pages only, which the provider cannot promise: a 400.
+    external_web_access: bool | None = None
+    search_content_types: list[str] | None = None
+
+
+WEB_SEARCH_TYPES = ("web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11")
+_WEB_SEARCH_STRUCTS = tuple(
+    cast(type[WebSearchTool], msgspec.defstruct("Tool" + "".join(p.capitalize() for p in t.split("_")), [],
+                                                bases=(WebSearchTool,), tag=t, tag_field="type"))
+    for t in WEB_SEARCH_TYPES)
+
+
 class HostedTool(msgspec.Struct):
     """A tool OpenAI runs on its side (search, code, images, MCP, shells...).
 
@@ -100,19 +125,20 @@ def _hosted_struct(tool_type: str) -> type[HostedTool]:
 
 
 # The hosted tools the server can run (responses/hosted/) have their own Structs.
-RUN_HERE = ("mcp", "code_interpreter")
+RUN_HERE = ("mcp", "code_interpreter", *WEB_SEARCH_TYPES)
 _HOSTED_STRUCTS = tuple(_hosted_struct(t) for t in HOSTED_TOOL_TYPES if t not in RUN_HERE)
 
 if TYPE_CHECKING:
-    RequestTool = FunctionTool | NamespaceTool | McpTool | CodeInterpreterTool | HostedTool
+    RequestTool = FunctionTool | NamespaceTool | McpTool | CodeInterpreterTool | WebSearchTool | HostedTool
 else:
-    RequestTool = Union[(FunctionTool, NamespaceTool, McpTool, CodeInterpreterTool, *_HOSTED_STRUCTS)]
+    RequestTool = Union[(FunctionTool, NamespaceTool, McpTool, CodeInterpreterTool, *_WEB_SEARCH_STRUCTS,
+                         *_HOSTED_STRUCTS)]
 
 
 def runs_here(tool: RequestTool) -> bool:
     """A hosted tool the server runs itself (its calls and choice are resolved
     once the tool is set up, in responses/hosted/)."""
-    return isinstance(tool, McpTool | CodeInterpreterTool)
+    return isinstance(tool, McpTool | CodeInterpreterTool | WebSearchTool)
 
 
 class NamedFunction(msgspec.Struct, tag="function", tag_field="type"):
@@ -249,7 +275,7 @@ def resolve(functions: list[FunctionTool], choice: ToolChoice, *,
         if choice.kind in RUN_HERE:
             raise BadRequest(f"tool_choice names the {choice.kind} tool, but tools has none", param=f"{param}.type")
         raise BadRequest(f"tool_choice {choice.kind!r}: the hosted {choice.kind} tool is not enabled on this "
-                         f"server (of the hosted tools, only {' and '.join(RUN_HERE)} run here)",
+                         "server (of the hosted tools, only mcp, code_interpreter and web_search run here)",
                          param=f"{param}.type", code="hosted_tool_unavailable")
     if isinstance(choice, AllowedTools):
         return _narrow(functions, namespaces, choice, param)

@@ -25,6 +25,7 @@ from supervisor.responses.items import (
     McpListToolsItem,
     MessageItem,
     ReasoningItem,
+    WebSearchCallItem,
     image_data,
 )
 from worker.protocol import ChatMessage, ContentPart, ImagePart, TextPart
@@ -87,13 +88,15 @@ class _Turns:
             )
         self.messages.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id, name=name))
 
-    def add_hosted_call(self, item: McpCallItem | CodeInterpreterCallItem) -> None:
+    def add_hosted_call(self, item: McpCallItem | CodeInterpreterCallItem | WebSearchCallItem) -> None:
         """A call the server ran: the assistant's call, then its result, as for a function."""
         msg = self._assistant()
         self._take_reasoning(msg)
+        # The functions the model was offered (responses/hosted/code_interpreter.py, web_search.py).
         if isinstance(item, CodeInterpreterCallItem):
-            # The function the model was offered (responses/hosted/code_interpreter.py).
             name, arguments = "code_interpreter", json.dumps({"code": item.code or ""})
+        elif isinstance(item, WebSearchCallItem):
+            name, arguments = "web_search", json.dumps({"query": item.action.query or ""})
         else:
             name, arguments = item.name, item.arguments
         call = {"id": item.id, "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -129,7 +132,7 @@ def to_messages(
                 turns.add_output(item, param)
             case ReasoningItem():
                 turns.add_reasoning(item)
-            case McpCallItem() | CodeInterpreterCallItem():
+            case McpCallItem() | CodeInterpreterCallItem() | WebSearchCallItem():
                 turns.add_hosted_call(item)
             case McpListToolsItem():
                 pass  # the tools it lists are offered as functions, not rendered as a turn

@@ -36,6 +36,7 @@ from supervisor.responses.items import (
     OutputText,
     ReasoningItem,
     ReasoningText,
+    WebSearchCallItem,
     new_id,
 )
 from supervisor.responses.logprobs import LogprobEntry
@@ -66,6 +67,8 @@ class HostedCalls(Protocol):
     def call_item(self, call: ToolCall) -> Any: ...
 
     def take_pending(self) -> list[Any]: ...
+
+    def annotations(self, text: str) -> list[dict[str, Any]]: ...
 
 
 class EventBuilder:
@@ -247,8 +250,12 @@ class EventBuilder:
         out: list[Event] = []
         part: OutputText | ReasoningText
         if isinstance(item, MessageItem):
-            part = OutputText(text, logprobs=list(self._open_logprobs))
+            # Citations of the hosted tools' results (web_search), once the text is whole.
+            annotations = self.hosted.annotations(text) if self.hosted is not None else []
+            part = OutputText(text, annotations=annotations, logprobs=list(self._open_logprobs))
             item.content = [part]
+            out += [self._event("response.output_text.annotation.added", annotation_index=k, annotation=a, **common)
+                    for k, a in enumerate(annotations)]
             out.append(self._event("response.output_text.done", text=text, logprobs=self._open_logprobs, **common))
         else:
             assert isinstance(item, ReasoningItem)
@@ -267,7 +274,13 @@ class EventBuilder:
         index = self.add_item(item)
         common = {"item_id": item.id, "output_index": index}
         out: list[Event]
-        if isinstance(item, CodeInterpreterCallItem):
+        if isinstance(item, WebSearchCallItem):
+            out = [
+                self._event("response.output_item.added", output_index=index,
+                            item=msgspec.structs.replace(item, status="in_progress")),
+                self._event("response.web_search_call.in_progress", **common),
+            ]
+        elif isinstance(item, CodeInterpreterCallItem):
             # As OpenAI streams it: the call is in progress, then its code.
             code = item.code or ""
             out = [

@@ -197,8 +197,46 @@ class CodeInterpreterCallItem(msgspec.Struct, tag="code_interpreter_call", tag_f
         return "error: the call did not finish"
 
 
+class SearchSource(msgspec.Struct, tag="url", tag_field="type"):
+    url: str
+
+
+class SearchResult(msgspec.Struct, kw_only=True):
+    """One result a search handed the model; ``n`` is the number it was shown
+    under (and may cite as ``[n]``), counted over the whole conversation."""
+
+    n: int
+    url: str
+    title: str = ""
+    snippet: str = ""
+
+
+class SearchAction(msgspec.Struct, tag="search", tag_field="type", kw_only=True):
+    query: str | None = None
+    sources: list[SearchSource] | None = None
+
+
+class WebSearchCallItem(msgspec.Struct, tag="web_search_call", tag_field="type", kw_only=True):
+    """A search the server ran through its provider (responses/hosted/), as
+    the SDK's ``ResponseFunctionWebSearch``; ``results`` (what
+    ``include: ["web_search_call.results"]`` names) is what the model read."""
+
+    action: SearchAction
+    status: Literal["in_progress", "searching", "completed", "failed", "incomplete"] = "completed"
+    results: list[SearchResult] | None = None
+    id: str = ""
+
+    def result_text(self) -> str:
+        """What the model reads back: the numbered results."""
+        if self.status == "failed":
+            return "error: the search failed; answer without it"
+        if not self.results:
+            return "no results" if self.status == "completed" else "error: the search did not finish"
+        return "\n\n".join(f"[{r.n}] {r.title}\n{r.url}\n{r.snippet}".rstrip() for r in self.results)
+
+
 Item = (MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | McpListToolsItem | McpCallItem
-        | CodeInterpreterCallItem)
+        | CodeInterpreterCallItem | WebSearchCallItem)
 
 _ID_PREFIX: dict[type[Any], str] = {
     MessageItem: "msg",
@@ -208,6 +246,7 @@ _ID_PREFIX: dict[type[Any], str] = {
     McpListToolsItem: "mcpl",
     McpCallItem: "mcp",
     CodeInterpreterCallItem: "ci",
+    WebSearchCallItem: "ws",
 }
 
 

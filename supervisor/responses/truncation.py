@@ -28,6 +28,7 @@ from supervisor.responses.items import (
     McpListToolsItem,
     MessageItem,
     ReasoningItem,
+    WebSearchCallItem,
 )
 
 # Role markers and separators a template writes around one message.
@@ -50,6 +51,8 @@ def _text(item: Item) -> str:
             return item.name + item.arguments + item.result_text()
         case CodeInterpreterCallItem():
             return (item.code or "") + item.result_text()
+        case WebSearchCallItem():
+            return (item.action.query or "") + item.result_text()
         case McpListToolsItem():
             return ""
 

@@ -1,10 +1,11 @@
 """The hosted-tool loop: generate, run the calls, generate again.
 
 One response, several generations. The first runs as any other (its
-events, then the calls it made to hosted tools: ``mcp_call`` and
-``code_interpreter_call`` items, in progress). Then each call runs
+events, then the calls it made to hosted tools: ``mcp_call``,
+``code_interpreter_call`` and ``web_search_call`` items, in progress). Then each call runs
 (``response.mcp_call.in_progress``, then ``completed`` or ``failed``;
-``response.code_interpreter_call.interpreting``, then ``completed``), its
+``response.code_interpreter_call.interpreting``, then ``completed``;
+``response.web_search_call.searching``, then ``completed``), its
 result goes back to the model with the conversation so far, and the next
 generation starts, until one ends without a hosted call. Limits end it cleanly: after ``max_iterations``
 generations with calls, or once the calls took ``total_timeout_s``, the
@@ -24,7 +25,14 @@ from supervisor.errors import ApiError
 from supervisor.generation.tools import PlanChoice
 from supervisor.responses.events import Event, EventBuilder
 from supervisor.responses.hosted.session import HostedCall, HostedSession, parsed_arguments
-from supervisor.responses.items import CodeInterpreterCallItem, Item, McpCallItem, MessageItem, normalize
+from supervisor.responses.items import (
+    CodeInterpreterCallItem,
+    Item,
+    McpCallItem,
+    MessageItem,
+    WebSearchCallItem,
+    normalize,
+)
 from supervisor.responses.runner import GenerationPool, Outputs, Plan, run
 
 # Plan and queue the next generation of the response, given the output so far.
@@ -102,6 +110,9 @@ class ToolLoop:
         if isinstance(call, CodeInterpreterCallItem):
             call.status = "interpreting"
             yield builder.event("response.code_interpreter_call.interpreting", **common)
+        elif isinstance(call, WebSearchCallItem):
+            call.status = "searching"
+            yield builder.event("response.web_search_call.searching", **common)
         else:
             yield builder.event("response.mcp_call.in_progress", **common)
         try:
@@ -110,10 +121,11 @@ class ToolLoop:
             # The response was cancelled (or its client left) while the call ran.
             call.status = "incomplete"
             raise
-        if isinstance(call, CodeInterpreterCallItem):
-            # The SDK has no event for a run a limit ended: the item's status says it.
+        if isinstance(call, CodeInterpreterCallItem | WebSearchCallItem):
+            # The SDK has no event for a run that failed: the item's status says it.
             if call.status == "completed":
-                yield builder.event("response.code_interpreter_call.completed", **common)
+                kind = "code_interpreter_call" if isinstance(call, CodeInterpreterCallItem) else "web_search_call"
+                yield builder.event(f"response.{kind}.completed", **common)
         else:
             call.status = "failed" if call.error is not None else "completed"
             yield builder.event(f"response.mcp_call.{call.status}", **common)
@@ -135,6 +147,9 @@ class ToolLoop:
             if isinstance(call, CodeInterpreterCallItem):
                 assert self.session.code is not None
                 await self.session.code.run(call, self._limit_s())
+            elif isinstance(call, WebSearchCallItem):
+                assert self.session.web is not None
+                await self.session.web.run(call, self._limit_s())
             else:
                 await self._mcp_result(call)
         finally:
@@ -160,11 +175,15 @@ class ToolLoop:
 def _key(call: HostedCall) -> tuple[str, str, str]:
     if isinstance(call, CodeInterpreterCallItem):
         return ("code_interpreter", call.container_id, call.code or "")
+    if isinstance(call, WebSearchCallItem):
+        return ("web_search", "", call.action.query or "")
     return (call.server_label, call.name, call.arguments)
 
 
 def _copy_result(earlier: HostedCall, call: HostedCall) -> None:
     if isinstance(earlier, CodeInterpreterCallItem) and isinstance(call, CodeInterpreterCallItem):
         call.outputs, call.status = earlier.outputs, earlier.status
+    elif isinstance(earlier, WebSearchCallItem) and isinstance(call, WebSearchCallItem):
+        call.action.sources, call.results, call.status = earlier.action.sources, earlier.results, earlier.status
     elif isinstance(earlier, McpCallItem) and isinstance(call, McpCallItem):
         call.output, call.error = earlier.output, earlier.error

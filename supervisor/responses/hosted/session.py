@@ -5,7 +5,7 @@ this server does not do (approval flows, connectors, a tool that is off)
 or may not reach (the allowlist) with a 400 naming the tool, lists each
 MCP server's tools (or reuses an ``mcp_list_tools`` item the conversation
 already holds), finds the code_interpreter's container
-(:mod:`.code_interpreter`) and returns the request with those tools
+(:mod:`.code_interpreter`), sets up web_search (:mod:`.web_search`) and returns the request with those tools
 offered beside its functions.
 """
 
@@ -28,6 +28,7 @@ from supervisor.generation.tools import (
     McpToolFilter,
     NamedFunction,
     ToolChoice,
+    WEB_SEARCH_TYPES,
     offer,
     resolve,
 )
@@ -35,12 +36,14 @@ from supervisor.responses.hosted.addresses import checked_server_url, url_proble
 from supervisor.responses.hosted.code_interpreter import CodeSession, Containers, open_code, refuse_code
 from supervisor.responses.hosted.mcp_client import McpFailed, McpServer
 from supervisor.responses.hosted.settings import HostedSettings
+from supervisor.responses.hosted.web_search import WebSession, open_web, refuse_web
 from supervisor.responses.items import (
     CodeInterpreterCallItem,
     Item,
     McpCallItem,
     McpListToolsItem,
     McpToolInfo,
+    WebSearchCallItem,
     new_id,
 )
 from supervisor.responses.models import ValidRequest
@@ -63,7 +66,7 @@ class ServerTools:
 
 
 # The output item of a call the server runs.
-HostedCall = McpCallItem | CodeInterpreterCallItem
+HostedCall = McpCallItem | CodeInterpreterCallItem | WebSearchCallItem
 
 
 @dataclass
@@ -76,15 +79,18 @@ class HostedSession:
     owners: dict[str, str] = field(default_factory=dict)
     pending: list[HostedCall] = field(default_factory=list)
     code: CodeSession | None = None
+    web: WebSession | None = None
 
     def owns(self, name: str) -> bool:
-        return name in self.owners or (self.code is not None and name == self.code.name)
+        return name in self.owners or any(tool is not None and name == tool.name for tool in (self.code, self.web))
 
     def call_item(self, call: ToolCall) -> HostedCall:
         """The output item of a call the model made; a complete one waits to run."""
         item: HostedCall
         if self.code is not None and call.name == self.code.name:
             item = self.code.item(call)
+        elif self.web is not None and call.name == self.web.name:
+            item = self.web.item(call)
         else:
             item = McpCallItem(server_label=self.owners[call.name], name=call.name, arguments=call.arguments,
                                id=new_id("mcp"), status="in_progress" if call.complete else "incomplete")
@@ -99,7 +105,11 @@ class HostedSession:
     def functions(self) -> list[FunctionTool]:
         mcp = [FunctionTool(name=t.name, description=t.description, parameters=_parameters(t.input_schema))
                for s in self.servers.values() for t in s.tools]
-        return [*mcp, self.code.function()] if self.code is not None else mcp
+        return [*mcp, *(tool.function() for tool in (self.code, self.web) if tool is not None)]
+
+    def annotations(self, text: str) -> list[dict[str, Any]]:
+        """The citations of an answer's text (web_search results it cites)."""
+        return self.web.annotations(text) if self.web is not None else []
 
     def listings(self) -> list[McpListToolsItem]:
         return [s.listed for s in self.servers.values() if s.listed is not None]
@@ -155,6 +165,7 @@ def refuse_early(valid: ValidRequest, settings: HostedSettings, containers: Cont
     """The checks of :func:`open_session` that need no network (a background
     request answers them as a 400 before it is queued)."""
     refuse_code(valid.body.tools, containers or Containers(), owner)
+    refuse_web(valid.body.tools, settings)
     for i, tool in mcp_tools(valid):
         _refuse(tool, i, settings)
         problem = url_problem(tool.server_url or "", settings.mcp_allowed_urls)
@@ -188,6 +199,7 @@ async def open_session(valid: ValidRequest, history: list[Item], settings: Hoste
     API key asking (None: the admin). Raises BadRequest / McpListFailed."""
     session = HostedSession(settings)
     session.code = open_code(valid.body.tools, [*history, *valid.items], containers or Containers(), owner)
+    session.web = open_web(valid.body.tools, [*history, *valid.items], settings)
     entries = mcp_tools(valid)
     labels: set[str] = set()
     for i, tool in entries:
@@ -215,9 +227,10 @@ async def open_session(valid: ValidRequest, history: list[Item], settings: Hoste
 def _with_offer(valid: ValidRequest, session: HostedSession) -> ValidRequest:
     base = offer(valid.body.tools, "auto")
     taken = {fn.name for fn in base.functions}
-    if session.code is not None and session.code.name in taken:
-        raise BadRequest(f"a function is named {session.code.name!r}, as the code_interpreter tool is offered; "
-                         "rename it", param="tools")
+    for hosted in (session.code, session.web):
+        if hosted is not None and hosted.name in taken:
+            raise BadRequest(f"a function is named {hosted.name!r}, as the hosted {hosted.name} tool is offered; "
+                             "rename it", param="tools")
     for label, server in session.servers.items():
         for tool in server.tools:
             if tool.name in taken:
@@ -235,6 +248,8 @@ def _choice(choice: ToolChoice, session: HostedSession) -> ToolChoice:
     an ``mcp`` one's tool, else any tool of its server."""
     if isinstance(choice, HostedChoice) and choice.kind == "code_interpreter" and session.code is not None:
         return NamedFunction(session.code.name)
+    if isinstance(choice, HostedChoice) and choice.kind in WEB_SEARCH_TYPES and session.web is not None:
+        return NamedFunction(session.web.name)
     if not isinstance(choice, HostedChoice) or choice.kind != "mcp":
         return choice
     label = choice.server_label

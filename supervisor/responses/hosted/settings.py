@@ -1,4 +1,4 @@
-"""The limits and allowlist of the hosted-tool loop, from the configuration."""
+"""The limits, allowlist and providers of the hosted-tool loop, from the configuration."""
 
 from __future__ import annotations
 
@@ -23,6 +23,11 @@ class HostedSettings:
     # A call repeating an earlier one (same server, tool, arguments) gets the
     # earlier result back instead of running again.
     suppress_duplicates: bool = True
+    # web_search: the SearXNG search endpoint ("": off), the results one
+    # search hands the model at most, and the seconds one search may take.
+    web_search_url: str = ""
+    web_search_max_results: int = 8
+    web_search_timeout_s: float = 10.0
 
     @property
     def mcp_enabled(self) -> bool:
