@@ -15,7 +15,7 @@ from supervisor.config import ModelSettings
 from supervisor.lab.lease import GpuLease, cpu_device
 from supervisor.models.devices import MIB, GpuReading
 from supervisor.models.gguf_info import read_gguf_info
-from supervisor.models.gpu_place import place_on_nodes
+from supervisor.models.gpu_place import GpuPlacement, place_on_nodes
 from supervisor.models.gpu_reading import device_node, local_id
 from supervisor.models.library import ModelEntry
 from supervisor.models.memfit import ContextDecision, DoesNotFit
@@ -125,6 +125,9 @@ class _Nodes:
     def ram_nodes(self) -> dict[str, int]:
         return {}
 
+    def expect_freed(self, freed: dict[str, int]) -> None:
+        raise AssertionError("nothing is stopped in this test")
+
     async def fresh_readings(self) -> list[GpuReading]:
         return self.readings
 
@@ -169,12 +172,19 @@ class _Launcher:
     def __init__(self) -> None:
         self.nodes: dict[str, tuple[int, float]] = {}  # name -> (logical GPUs, free GiB)
         self.unanswered: set[str] = set()
+        self.reads = 0
+        # (reads, name, free GiB): from that many further reads on, the node shows that much free.
+        self.later: tuple[int, str, float] | None = None
 
     async def alive_nodes(self) -> list[ClusterNode]:
         return [ClusterNode(f"id-{n}", n, gpus) for n, (gpus, _) in self.nodes.items()]
 
     async def read_node(self, node_id: str) -> dict[str, Any]:
         name = node_id.removeprefix("id-")
+        self.reads += 1
+        if self.later is not None and self.reads >= self.later[0]:
+            self.nodes[self.later[1]] = (self.nodes[self.later[1]][0], self.later[2])
+            self.later = None
         if name in self.unanswered:
             raise ClusterError("the node agent did not answer within 10s")
         free = int(self.nodes[name][1] * GIB)
@@ -213,3 +223,45 @@ async def test_the_node_watch_adds_a_joining_node_and_drops_a_leaving_one() -> N
     del cluster.nodes["ram-d"]
     await nodes.refresh()
     assert lost[-1] == ("ram-d", "node ram-d left the cluster") and "ram-d/cpu" not in lease.devices
+
+
+class _Clock:
+    """Time that passes only when the code under test sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+async def test_a_placement_waits_for_a_stopped_workers_memory_on_its_node() -> None:
+    cluster, clock = _Launcher(), _Clock()
+    nodes = ClusterNodes(cluster, GpuLease([cpu_device()]), lambda _n, _why: None,  # type: ignore[arg-type]
+                         settle_s=10.0, settle_interval_s=0.5, clock=clock, sleep=clock.sleep)
+    cluster.nodes = {"node-a": (1, 2), "node-b": (1, 4)}
+    await nodes.refresh()
+    # A worker planned at 10 GiB stops on node-a: its memory shows free four looks later.
+    nodes.expect_freed({"node-a/cuda:0": 10 * GIB})
+    cluster.later = (cluster.reads + 8, "node-a", 12)
+    readings = {r.device_id: r.free_bytes for r in await nodes.fresh_readings()}
+    assert readings["node-a/cuda:0"] == 12 * GIB and readings["node-b/cuda:0"] == 4 * GIB
+    assert 0 < clock.now < 10
+    # Memory that never comes back: placed with what is free once the bound passed.
+    clock.now = 0.0
+    nodes.expect_freed({"node-b/cuda:0": 30 * GIB})
+    readings = {r.device_id: r.free_bytes for r in await nodes.fresh_readings()}
+    assert readings["node-b/cuda:0"] == 4 * GIB and clock.now >= 10
+    # Nothing expected: one reading, no wait.
+    clock.now = 0.0
+    await nodes.fresh_readings()
+    assert clock.now == 0.0
+    # The pool's eviction tells it through the GPU room: a placement on node-a waits again.
+    room = GpuRoom(None, (), lambda _d: None, 0.1, nodes=nodes)
+    await room.expect_freed([(GpuPlacement(mode="single", devices=["node-a/cuda:0"], indices=[0], node="node-a"),
+                              4 * GIB)])
+    await room.readings()
+    assert clock.now >= 10  # 12 GiB free never showed the 15 expected

@@ -16,22 +16,33 @@ there), and keeps the lease's books in step (supervisor/lab/lease.py):
 It looks every ``poll_s`` seconds, and afresh before each placement. A node
 whose agent does not answer keeps its last reading until the cluster says
 whether it is alive: a slow answer is not a lost node.
+
+The settle wait, on nodes: a worker stopped on a node's GPU frees its memory
+late (the driver tears its context down after it exits). Whoever stops one
+says what should come back (:meth:`ClusterNodes.expect_freed`), and the next
+placement reads the nodes again until it shows, or ``settle_s`` passes, as
+supervisor/models/settle.py does for this machine's GPUs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from supervisor.models.gpu_reading import DeviceReadError, GpuReading, node_device
+from supervisor.models.settle import EVICTED_SHARE
 from supervisor.workers.ray_launcher import ClusterError, ClusterNode, RayLauncher
 
 log = logging.getLogger("gpuvisor.cluster")
 
 # How often the nodes are listed and read between placements.
 POLL_S = 2.0
+# The settle wait's bound, and how often it reads the nodes meanwhile.
+SETTLE_S = 10.0
+SETTLE_INTERVAL_S = 0.25
 
 
 @runtime_checkable
@@ -50,11 +61,20 @@ NodeLost = Callable[[str, str], None]
 
 class ClusterNodes:
     def __init__(self, launcher: RayLauncher, book: NodeBook, on_lost: NodeLost, *,
-                 poll_s: float = POLL_S) -> None:
+                 poll_s: float = POLL_S, settle_s: float = SETTLE_S,
+                 settle_interval_s: float = SETTLE_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.launcher = launcher
         self.book = book
         self.on_lost = on_lost
         self.poll_s = poll_s
+        self.settle_s = settle_s
+        self.settle_interval_s = settle_interval_s
+        # Injected so that tests never really sleep through a settle wait.
+        self._clock = clock
+        self._sleep = sleep
+        # Device id -> the free bytes it should show again (a worker stopped there).
+        self._expected: dict[str, int] = {}
         # Node name -> its GPUs as last read (the ones the lease has).
         self.readings: dict[str, list[GpuReading]] = {}
         # Nodes with logical GPUs but no GPU found there: their RAM (free, total).
@@ -80,14 +100,36 @@ class ClusterNodes:
         """The free RAM of each node without a GPU, as last read."""
         return {n: free for n, (free, _) in self.ram.items()}
 
+    def expect_freed(self, freed: dict[str, int]) -> None:
+        """Workers planned to use ``freed`` bytes per device are being stopped:
+        the next placement waits for most of that memory to show free."""
+        for r in (r for rs in self.readings.values() for r in rs):
+            if r.device_id in freed:
+                want = r.free_bytes + int(freed[r.device_id] * EVICTED_SHARE)
+                self._expected[r.device_id] = max(want, self._expected.get(r.device_id, 0))
+
     async def fresh_readings(self) -> list[GpuReading]:
-        """Every node's GPUs, read now (for a placement); DeviceReadError when
-        the cluster cannot be reached."""
-        try:
-            await self.refresh()
-        except ClusterError as exc:
-            raise DeviceReadError(f"cannot list the cluster's nodes: {exc}") from exc
-        return [r for rs in self.readings.values() for r in rs]
+        """Every node's GPUs, read now (for a placement), once the memory of
+        stopped workers is back or the settle bound passed; DeviceReadError
+        when the cluster cannot be reached."""
+        deadline = self._clock() + self.settle_s
+        while True:
+            try:
+                await self.refresh()
+            except ClusterError as exc:
+                raise DeviceReadError(f"cannot list the cluster's nodes: {exc}") from exc
+            readings = [r for rs in self.readings.values() for r in rs]
+            free = {r.device_id: r.free_bytes for r in readings}
+            # A device gone with its node cannot be waited for.
+            self._expected = {d: want for d, want in self._expected.items() if free.get(d, want) < want}
+            if not self._expected:
+                return readings
+            if self._clock() >= deadline:
+                log.warning("GPU memory on %s not freed within %.1fs; placing with what is free now",
+                            ", ".join(sorted(self._expected)), self.settle_s)
+                self._expected.clear()
+                return readings
+            await self._sleep(self.settle_interval_s)
 
     async def refresh(self) -> None:
         """List the alive nodes, read them, and bring the lease's books in step."""

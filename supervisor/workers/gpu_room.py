@@ -8,9 +8,9 @@ GPU in the lease the pool keeps its plain path: free RAM (or all visible GPU
 memory as one) through supervisor/models/placement.py.
 
 On a Ray cluster (``nodes``), the GPUs are the nodes' (node/cuda:N, read by
-their agents: supervisor/workers/cluster_nodes.py), and a load goes on one
-node (supervisor/models/gpu_place.py, ``place_on_nodes``). The settle wait
-does not run on nodes yet: a placement there reads what is free now.
+their agents: supervisor/workers/cluster_nodes.py, which also runs their
+settle wait), and a load goes on one node (supervisor/models/gpu_place.py,
+``place_on_nodes``).
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ class NodeReadings(Protocol):
     def device_ids(self) -> list[str]: ...
 
     def ram_nodes(self) -> dict[str, int]: ...
+
+    def expect_freed(self, freed: dict[str, int]) -> None: ...
 
     def fresh_readings(self) -> Awaitable[list[GpuReading]]: ...
 
@@ -170,6 +172,9 @@ class GpuRoom:
     async def expect_freed(self, victims: Sequence[tuple[GpuPlacement, int]]) -> None:
         """Workers on these placements (with the bytes each was planned to use)
         are about to stop: the settle wait will look for that memory."""
+        if self.nodes is not None:  # the settle wait on the nodes' readings
+            self.nodes.expect_freed(per_device(victims))
+            return
         freed = per_gpu(victims)
         if freed and self.settler is not None:
             before = await self.settler.read()
