@@ -322,3 +322,16 @@ async def test_the_agents_sdk_runs_a_turn_with_its_code_interpreter_tool(srv: Se
     _check_ran(ran[0].model_dump(mode="json"), sandbox_python)
     assert isinstance(result.final_output, str)
     assert capture.validate() > 0
+
+
+def test_allowed_tools_naming_the_code_interpreter_forces_its_call(srv: Server, sandbox_python: str) -> None:
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "code_interpreter"}]}
+    other = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}
+    body = _forced(srv, tools=[other, AUTO], tool_choice=choice)
+    Response.model_validate(body, strict=True)
+    # Only the code interpreter was allowed: the forced first call is its, never lookup.
+    assert body["output"][0]["type"] == "code_interpreter_call"
+    assert "lookup" not in [o.get("name") for o in body["output"]]
+    call = _ran(body["output"])
+    assert call is not None
+    _check_ran(call, sandbox_python)

@@ -243,9 +243,31 @@ def _with_offer(valid: ValidRequest, session: HostedSession) -> ValidRequest:
     return msgspec.structs.replace(valid, offer=offered)
 
 
+def _allowed_functions(entry: Any, session: HostedSession) -> list[Any]:
+    """An ``allowed_tools`` entry in function terms: a hosted tool the
+    session runs is its functions (an MCP server's: all, or the one named)."""
+    kind = entry.get("type") if isinstance(entry, dict) else None
+    name = entry.get("name") if isinstance(entry, dict) else None
+    hosted: CodeSession | WebSession | None = None
+    if kind == "code_interpreter":
+        hosted = session.code
+    elif kind in WEB_SEARCH_TYPES:
+        hosted = session.web
+    if hosted is not None:
+        return [{"type": "function", "name": hosted.name}]
+    if kind == "mcp" and entry.get("server_label") in session.servers:
+        names = [t.name for t in session.servers[entry["server_label"]].tools if name is None or t.name == name]
+        return [{"type": "function", "name": n} for n in names]
+    return [entry]
+
+
 def _choice(choice: ToolChoice, session: HostedSession) -> ToolChoice:
     """A hosted tool_choice in function terms: code_interpreter's function;
-    an ``mcp`` one's tool, else any tool of its server."""
+    an ``mcp`` one's tool, else any tool of its server; ``allowed_tools``
+    naming hosted tools, their functions."""
+    if isinstance(choice, AllowedTools):
+        return AllowedTools(mode=choice.mode,
+                            tools=[f for entry in choice.tools for f in _allowed_functions(entry, session)])
     if isinstance(choice, HostedChoice) and choice.kind == "code_interpreter" and session.code is not None:
         return NamedFunction(session.code.name)
     if isinstance(choice, HostedChoice) and choice.kind in WEB_SEARCH_TYPES and session.web is not None:
