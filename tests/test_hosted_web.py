@@ -189,3 +189,36 @@ def test_off_by_default() -> None:
     assert reply.status_code == 400
     error = reply.json()["error"]
     assert error["param"] == "tools[1].type" and "web_search_searxng_url" in error["message"]
+
+
+async def test_the_agents_sdk_runs_a_turn_with_its_web_search_tool(srv: Server, fake: FakeSearxng) -> None:
+    agents = pytest.importorskip("agents", reason="the openai-agents package (test extra) is not installed")
+    from openai.types.responses import ResponseFunctionWebSearch as Searched
+
+    from tests.test_clients_sdk import Capture
+
+    capture = Capture()
+    client = capture.async_client(srv.base_url)
+    model = agents.OpenAIResponsesModel(model=srv.model, openai_client=client)
+    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=1500)
+    agent = agents.Agent(name="searcher", instructions="Search first.", tools=[agents.WebSearchTool()],
+                         model=model, model_settings=settings)
+    config = agents.RunConfig(tracing_disabled=True)
+    ran: list[Any] = []
+    for _ in range(TRIES):
+        # The server ran the searches inside the turn: the agent gets them, and the answer, in one response.
+        try:
+            result = await agents.Runner.run(agent, "search", run_config=config, max_turns=1)
+        except agents.MaxTurnsExceeded:
+            continue  # the forced call was cut short: no answer in that turn
+        calls = [item.raw_item for item in result.new_items if isinstance(item, agents.ToolCallItem)]
+        assert calls and all(isinstance(c, Searched) for c in calls)
+        ran = [c for c in calls if c.status == "completed"]
+        if ran:
+            break
+    await client.close()
+    assert ran, f"no forced call ran in {TRIES} tries"
+    assert ran[0].action.type == "search" and (ran[0].action.query or "")[:1000] in fake.queries
+    assert [s.url for s in ran[0].action.sources or []] == _http_results()[:5]
+    assert isinstance(result.final_output, str)
+    assert capture.validate() > 0
