@@ -120,10 +120,10 @@ def test_non_text_files_and_hostile_fields_are_refused(server: Server, client: o
     for file_id in (binary.id, bad_utf8.id):
         with pytest.raises(openai.BadRequestError) as info:
             client.vector_stores.files.create(vector_store_id=store.id, file_id=file_id)
-        assert info.value.code == "unsupported_file" and info.value.param == "file_id"  # type: ignore[attr-defined]
+        assert info.value.code == "unsupported_file" and info.value.param == "file_id"
     with pytest.raises(openai.BadRequestError) as info:
         client.vector_stores.create(file_ids=[binary.id])
-    assert info.value.code == "unsupported_file"  # type: ignore[attr-defined]
+    assert info.value.code == "unsupported_file"
     base = f"{server.base_url}/v1/vector_stores"
 
     def param(resp: httpx.Response, status: int = 400) -> object:
@@ -180,3 +180,32 @@ def test_files_and_stores_belong_to_the_key_that_made_them(tiny_model_path: Path
         assert alice.vector_stores.search(store.id, query="garnet ledger").data[0].file_id == secret.id
         assert {s.id for s in admin.vector_stores.list().data} == {store.id, own.id}
         assert admin.files.retrieve(secret.id).id == secret.id
+
+
+def test_attribute_filters_choose_the_files_searched(server: Server, client: openai.OpenAI) -> None:
+    en = client.files.create(file=("en.txt", b"Harbor report: the amber ferry docks."), purpose="assistants")
+    fr = client.files.create(file=("fr.txt", b"Harbor report: the amber ferry leaves."), purpose="assistants")
+    store = client.vector_stores.create(name="filtered")
+    client.vector_stores.files.create(vector_store_id=store.id, file_id=en.id, attributes={"lang": "en", "year": 2024})
+    client.vector_stores.files.create(vector_store_id=store.id, file_id=fr.id, attributes={"lang": "fr", "year": 2020})
+    # Indexing tokenizes on the embedding worker after it sat idle (longer
+    # than the engine keeps an idle connection open): it still completes.
+    assert _indexed(client, store.id, 2).file_counts.completed == 2
+    listed = client.vector_stores.files.list(store.id).data
+    assert {f.id: f.attributes for f in listed} == {en.id: {"lang": "en", "year": 2024},
+                                                    fr.id: {"lang": "fr", "year": 2020}}
+
+    def found(filters: object) -> set[str]:
+        page = client.vector_stores.search(store.id, query="amber ferry harbor", filters=filters)  # type: ignore[arg-type]
+        return {h.file_id for h in page.data}
+
+    assert found(None) == {en.id, fr.id}
+    assert found({"type": "eq", "key": "lang", "value": "fr"}) == {fr.id}
+    assert found({"type": "gte", "key": "year", "value": 2021}) == {en.id}
+    assert found({"type": "or", "filters": [{"type": "eq", "key": "lang", "value": "de"},
+                                            {"type": "lt", "key": "year", "value": 2021}]}) == {fr.id}
+    assert found({"type": "in", "key": "lang", "value": ["en", "fr"]}) == {en.id, fr.id}
+    assert found({"type": "eq", "key": "missing", "value": "x"}) == set()
+    bad = httpx.post(f"{server.base_url}/v1/vector_stores/{store.id}/search", json={
+        "query": "ferry", "filters": {"type": "and", "filters": [{"type": "eq", "key": 5, "value": "x"}]}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "filters.filters[0].key", bad.text

@@ -55,16 +55,23 @@ class UnixJSONClient:
     def request(self, method: str, path: str, body: Any = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if data is not None else {}
-        conn = self._conn()
-        try:
-            conn.request(method, path, data, headers)
-            resp = conn.getresponse()
-            raw = resp.read()
-        except (OSError, http.client.HTTPException):
-            # A dropped keep-alive connection: the next call opens a new one.
-            conn.close()
-            self._local.conn = None
-            raise
+        # Every request sent here is idempotent (props, models, tokenize), so
+        # one that fails on a kept-alive connection the engine has closed
+        # since (it drops idle ones after seconds) is sent once more on a
+        # new connection; one that fails on a new connection is an error.
+        for attempt in range(2):
+            reused = getattr(self._local, "conn", None) is not None
+            conn = self._conn()
+            try:
+                conn.request(method, path, data, headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+                break
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                self._local.conn = None
+                if not reused or attempt:
+                    raise
         if not 200 <= resp.status < 300:
             raise EngineHTTPError(resp.status, raw.decode("utf-8", "replace"))
         return json.loads(raw)

@@ -27,7 +27,7 @@ from supervisor.models.source import LibrarySource
 # OpenAI's own bounds on these fields.
 Key = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 Metadata = Annotated[dict[Key, Annotated[str, msgspec.Meta(max_length=512)]], msgspec.Meta(max_length=16)]
-AttrValue = Annotated[str, msgspec.Meta(max_length=512)] | float | bool
+AttrValue = Annotated[str, msgspec.Meta(max_length=512)] | int | float | bool
 AttributeMap = Annotated[dict[Key, AttrValue], msgspec.Meta(max_length=16)]
 MAX_FILE_IDS = 500
 
@@ -82,7 +82,7 @@ class Ranking(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class Search(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     query: str | Annotated[list[str], msgspec.Meta(min_length=1, max_length=16)]
     max_num_results: int = 10
-    filters: dict[str, Any] | None = None
+    filters: Any = None
     ranking_options: Ranking | None = None
     rewrite_query: bool = False
 

@@ -17,6 +17,7 @@ from supervisor.errors import BadRequest, NotFound
 from supervisor.knowledge.chunking import ChunkSize
 from supervisor.knowledge.embedder import Embedder
 from supervisor.knowledge.files import FileRecord, FileStore
+from supervisor.knowledge.filters import parse as parse_filters
 from supervisor.knowledge.indexer import Indexer, Job, resumed
 from supervisor.knowledge.stores import Attributes, StoreBook, StoreFile, StoreRecord
 from supervisor.knowledge.vectors import VectorIndex
@@ -131,12 +132,12 @@ class Knowledge:
         stores' own model) with BM25 over the query's words
         (``vectors.py``); ``embedding_weight`` and ``text_weight`` weigh
         the two, and results scoring under ``score_threshold`` are left
-        out. Errors are :class:`ApiError`s naming the field: a store
-        ``scope`` cannot see is a 404, a query over the model's input a 400.
-        ``filters`` (attribute filters) is not supported yet: a 400.
+        out. ``filters`` is an OpenAI attribute filter (``filters.py``) over
+        the attributes each file was added with. Errors are
+        :class:`ApiError`s naming the field: a store ``scope`` cannot see is
+        a 404, a query over the model's input or a bad filter a 400.
         """
-        if filters is not None:
-            raise BadRequest("filters are not supported yet", param="filters")
+        match = None if filters is None else parse_filters(filters)
         if not 1 <= max_num_results <= MAX_RESULTS:
             raise BadRequest(f"max_num_results must be from 1 to {MAX_RESULTS}", param="max_num_results")
         if not 1 <= len(store_ids) <= MAX_STORES_PER_SEARCH:
@@ -158,8 +159,10 @@ class Knowledge:
             raise BadRequest(f"query is {tokens} tokens; the embedding model takes at most "
                              f"{self.embedder.input_limit()}", param="query")
         [vector] = await self.embedder.embed(model, [text], caller)
+        files = None if match is None else [
+            row.file_id for s in stores for row in await self.book.completed_files(s.id) if match(row.attributes)]
         hits = await self.index.search([s.id for s in stores], text, vector, max_num_results,
-                                       embedding_weight, text_weight)
+                                       embedding_weight, text_weight, files)
         for store in stores:
             await self.book.touch(store.id)
         results = [await self._result(h.store_id, h.file_id, h.score, h.text) for h in hits

@@ -154,6 +154,11 @@ class StoreBook:
         async with self.db.reader.execute(sql + order, (*args, ask.limit + 1)) as cur:
             return [_store_file(r) for r in await cur.fetchall()]
 
+    async def completed_files(self, store_id: str) -> list[StoreFile]:
+        async with self.db.reader.execute("SELECT * FROM vector_store_files WHERE store_id = ? AND status = 'completed'",
+                                          (store_id,)) as cur:
+            return [_store_file(r) for r in await cur.fetchall()]
+
     async def files_in_progress(self) -> list[StoreFile]:
         async with self.db.reader.execute("SELECT * FROM vector_store_files WHERE status = 'in_progress'") as cur:
             return [_store_file(r) for r in await cur.fetchall()]

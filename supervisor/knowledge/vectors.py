@@ -2,7 +2,7 @@
 
 Each chunk's embedding is a unit-length little-endian float32 BLOB, so a
 dot product is the cosine. A search reads a store's vectors in batches of
-``SCAN_BATCH`` rows on the read-only connection, scores each batch with one
+``SCAN_BATCH`` rows on a read-only connection of its own, scores each batch with one
 numpy matrix product and keeps only the best candidates: memory stays one
 batch, however large the store. Beside it, SQLite's FTS5 index ranks the
 chunks by BM25 for the query's words; the two rankings are fused by
@@ -12,8 +12,12 @@ query's words ranks high even where the embedding model is weak.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
+import sqlite3
 from collections.abc import Sequence
+from pathlib import Path
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +26,7 @@ import numpy.typing as npt
 from supervisor.db import Database
 
 SCAN_BATCH = 8192
+SCAN_MMAP_BYTES = 1 << 30
 # Rows deleted per write transaction, so a large delete never holds the
 # writer (and every other write of the service) for long.
 DELETE_BATCH = 2000
@@ -34,6 +39,8 @@ MIN_CANDIDATES = 50
 # The words of a query the full-text ranking uses (the rest are ignored).
 MAX_QUERY_TERMS = 32
 _WORD = re.compile(r"\w+")
+# Keeps the chunks of the files in a JSON list (bound twice); NULL keeps all.
+_FILES = " AND (? IS NULL OR file_id IN (SELECT value FROM json_each(?)))"
 
 Vector = npt.NDArray[np.float32]
 
@@ -47,7 +54,7 @@ class Hit:
     score: float
 
 
-def unit(vector: Sequence[float]) -> Vector:
+def unit(vector: npt.ArrayLike) -> Vector:
     arr = np.asarray(vector, dtype=np.float32)
     norm = float(np.linalg.norm(arr))
     return arr / norm if norm > 0 else arr
@@ -99,57 +106,46 @@ class VectorIndex:
             row = await cur.fetchone()
         return int(row[0]) if row is not None else 0
 
-    async def nearest(self, store_ids: Sequence[str], query: Vector, k: int,
+    async def nearest(self, store_ids: Sequence[str], query: Vector, k: int, files: Sequence[str] | None = None,
                       batch: int = SCAN_BATCH) -> list[tuple[int, float]]:
         """The ``k`` chunks of ``store_ids`` closest to ``query``: (chunk id,
         cosine), best first. Rows whose width is not the query's are skipped
-        (a store indexed by another model)."""
-        width = int(query.shape[0]) * 4
-        best_ids = np.empty(0, dtype=np.int64)
-        best_scores = np.empty(0, dtype=np.float32)
-        for store_id in store_ids:
-            last = -1
-            while True:
-                async with self.db.reader.execute(
-                        "SELECT id, vector FROM chunks WHERE store_id = ? AND id > ? AND length(vector) = ?"
-                        " ORDER BY id LIMIT ?", (store_id, last, width, batch)) as cur:
-                    rows = list(await cur.fetchall())
-                if not rows:
-                    break
-                last = int(rows[-1][0])
-                ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
-                matrix = np.frombuffer(b"".join(r[1] for r in rows), dtype="<f4").reshape(len(rows), -1)
-                scores = matrix @ query
-                best_ids, best_scores = _top(np.concatenate([best_ids, ids]),
-                                             np.concatenate([best_scores, scores]), k)
-                if len(rows) < batch:
-                    break
-        return [(int(i), float(s)) for i, s in zip(best_ids, best_scores)]
+        (a store indexed by another model). ``files``: only chunks of these
+        files (those an attribute filter selected).
 
-    async def keyword(self, store_ids: Sequence[str], query: str, k: int) -> list[int]:
-        """The ``k`` chunks of ``store_ids`` with the best BM25 for the query's words."""
+        The scan runs in a thread on its own read-only connection, opened for
+        it: rows come as plain tuples (no row objects, one thread hop per
+        query instead of one per batch), and the event loop never waits on
+        it. Read-only, under WAL it sees committed rows only, as every reader."""
+        return await asyncio.to_thread(_scan, self.db.path, list(store_ids), query, k, _only(files), batch)
+
+    async def keyword(self, store_ids: Sequence[str], query: str, k: int,
+                      files: Sequence[str] | None = None) -> list[int]:
+        """The ``k`` chunks of ``store_ids`` (and of ``files``) with the best
+        BM25 for the query's words."""
         match = fts_query(query)
         if not match or not store_ids:
             return []
         marks = ",".join("?" * len(store_ids))
         async with self.db.reader.execute(
                 "SELECT chunks_fts.rowid FROM chunks_fts JOIN chunks ON chunks.id = chunks_fts.rowid"
-                f" WHERE chunks_fts MATCH ? AND chunks.store_id IN ({marks}) ORDER BY chunks_fts.rank LIMIT ?",
-                (match, *store_ids, k)) as cur:
+                f" WHERE chunks_fts MATCH ? AND chunks.store_id IN ({marks}){_FILES}"
+                " ORDER BY chunks_fts.rank LIMIT ?", (match, *store_ids, _only(files), _only(files), k)) as cur:
             return [int(r[0]) for r in await cur.fetchall()]
 
     async def search(self, store_ids: Sequence[str], query_text: str, query: Vector, k: int,
-                     embedding_weight: float = 1.0, text_weight: float = 1.0) -> list[Hit]:
+                     embedding_weight: float = 1.0, text_weight: float = 1.0,
+                     files: Sequence[str] | None = None) -> list[Hit]:
         """The ``k`` best chunks by the fused ranking, best first. A score is
         the fused reciprocal-rank sum over the best one possible (first in
         both rankings), so it lies in (0, 1]."""
         wanted = max(MIN_CANDIDATES, k * CANDIDATES_PER_RESULT)
         fused: dict[int, float] = {}
         if embedding_weight > 0:
-            for rank, (chunk_id, _) in enumerate(await self.nearest(store_ids, query, wanted)):
+            for rank, (chunk_id, _) in enumerate(await self.nearest(store_ids, query, wanted, files)):
                 fused[chunk_id] = fused.get(chunk_id, 0.0) + embedding_weight / (RRF_K + rank + 1)
         if text_weight > 0:
-            for rank, chunk_id in enumerate(await self.keyword(store_ids, query_text, wanted)):
+            for rank, chunk_id in enumerate(await self.keyword(store_ids, query_text, wanted, files)):
                 fused[chunk_id] = fused.get(chunk_id, 0.0) + text_weight / (RRF_K + rank + 1)
         best = (embedding_weight + text_weight) / (RRF_K + 1)
         top = sorted(fused.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
@@ -173,3 +169,40 @@ def _top(ids: npt.NDArray[np.int64], scores: npt.NDArray[np.float32],
         ids, scores = ids[keep], scores[keep]
     order = np.argsort(-scores, kind="stable")
     return ids[order], scores[order]
+
+
+def _only(files: Sequence[str] | None) -> str | None:
+    """The files a query keeps, as one JSON parameter (any number of them
+    fits in one), or None for every file."""
+    return None if files is None else json.dumps(list(files))
+
+
+def _scan(path: Path, store_ids: list[str], query: Vector, k: int, files: str | None,
+          batch: int) -> list[tuple[int, float]]:
+    width = int(query.shape[0]) * 4
+    best_ids = np.empty(0, dtype=np.int64)
+    best_scores = np.empty(0, dtype=np.float32)
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        conn.execute("PRAGMA query_only=ON")
+        # Pages mapped rather than copied through SQLite's cache: the scan
+        # reads every vector once, and this made it about a third faster.
+        conn.execute(f"PRAGMA mmap_size={SCAN_MMAP_BYTES:d}")
+        for store_id in store_ids:
+            last = -1
+            while True:
+                rows = conn.execute("SELECT id, vector FROM chunks WHERE store_id = ? AND id > ?"
+                                    f" AND length(vector) = ?{_FILES} ORDER BY id LIMIT ?",
+                                    (store_id, last, width, files, files, batch)).fetchall()
+                if not rows:
+                    break
+                last = int(rows[-1][0])
+                ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+                matrix = np.frombuffer(b"".join(r[1] for r in rows), dtype="<f4").reshape(len(rows), -1)
+                best_ids, best_scores = _top(np.concatenate([best_ids, ids]),
+                                             np.concatenate([best_scores, matrix @ query]), k)
+                if len(rows) < batch:
+                    break
+    finally:
+        conn.close()
+    return [(int(i), float(s)) for i, s in zip(best_ids, best_scores)]
