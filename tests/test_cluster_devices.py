@@ -16,7 +16,7 @@ from supervisor.lab.lease import GpuLease, cpu_device
 from supervisor.models.devices import MIB, GpuReading
 from supervisor.models.gguf_info import read_gguf_info
 from supervisor.models.gpu_place import GpuPlacement, place_on_nodes
-from supervisor.models.gpu_reading import device_node, local_id
+from supervisor.models.gpu_reading import device_node
 from supervisor.models.library import ModelEntry
 from supervisor.models.memfit import ContextDecision, DoesNotFit
 from supervisor.models.placement import GPU_RUNTIME_RESERVE, plan_load
@@ -37,7 +37,6 @@ def test_device_ids_name_their_node_and_this_machine_stays_plain() -> None:
     assert _gpu("node-a", 1, 1).device_id == "node-a/cuda:1"
     assert GpuReading(index=0, uuid="u", name="n", free_bytes=1, total_bytes=2).device_id == "cuda:0"
     assert device_node("node-a/cuda:1") == "node-a" and device_node("cuda:1") == "" and device_node("cpu") == ""
-    assert local_id("node-a/cuda:1") == "cuda:1" and local_id("cuda:1") == "cuda:1"
 
 
 def test_the_lease_books_a_nodes_devices_while_it_is_there() -> None:

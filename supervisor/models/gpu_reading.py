@@ -40,8 +40,3 @@ def device_node(device_id: str) -> str:
     """The node a device id names ("" for this machine's own devices)."""
     node, sep, _ = device_id.rpartition("/")
     return node if sep else ""
-
-
-def local_id(device_id: str) -> str:
-    """A device id without its node: ``cuda:0`` of ``node-a/cuda:0``."""
-    return device_id.rpartition("/")[2]

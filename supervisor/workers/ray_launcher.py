@@ -190,8 +190,10 @@ class RayLauncher:
         agent = await self._agent_on(node_id)
         try:
             reading: dict[str, Any] = await _bounded(agent.actor.read_memory.remote(), READ_TIMEOUT)
-        except ClusterError:
-            self._forget(agent)  # a new agent for the next call, if the node lives
+        except ClusterError as exc:
+            # The agent answered with its node's failure (nvidia-smi's): it stays.
+            if not isinstance(exc.__cause__, self._ray.exceptions.RayTaskError):
+                self._forget(agent)  # gone or stuck: a new agent for the next call, if the node lives
             raise
         return reading
 
@@ -229,7 +231,10 @@ class RayLauncher:
             where = await _bounded(actor.where.remote())
         except BaseException:
             # Not answered (its node going away, or this start cancelled): none is left waiting there.
-            ray.kill(actor, no_restart=True)
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as exc:  # the original failure is the one to raise
+                log.warning("could not end an unanswered node agent on %s: %s", node_id[:12], exc)
             raise
         agent = self._agents[node_id] = _Agent(node_id, actor, Path(str(where["run_dir"])), int(where["pid"]))
         log.info("node agent on %s (%s): pid %d", node_id[:12], where["host"], agent.pid)
