@@ -171,6 +171,58 @@ def test_logprobs(srv: Server) -> None:
         assert token["top_logprobs"][0]["logprob"] >= token["top_logprobs"][1]["logprob"]
 
 
+def _text(srv: Server, max_tokens: int, **fields: Any) -> str:
+    r = httpx.post(srv.base_url + "/v1/chat/completions", json={**_body(max_tokens), "stream": False, **fields},
+                   timeout=120)
+    assert r.status_code == 200, (fields, r.text)
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def _took_the_top(srv: Server, **fields: Any) -> list[bool]:
+    """Per generated token: was it (one of) the model's most likely? From
+    the logprobs of the raw logits, so ties in the bf16 logits count as top."""
+    r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=120, json={
+        **_body(64), "stream": False, "logprobs": True, "top_logprobs": 1, **fields})
+    assert r.status_code == 200, (fields, r.text)
+    return [abs(t["logprob"] - t["top_logprobs"][0]["logprob"]) < 1e-6
+            for t in r.json()["choices"][0]["logprobs"]["content"]]
+
+
+def test_each_sampling_field_reaches_vllm(srv: Server) -> None:
+    greedy = _text(srv, 64, temperature=0)
+    wide = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    assert not all(_took_the_top(srv, seed=3, **wide))  # hot sampling leaves the top token at times
+    # Each of these leaves only the most likely token, however hot the temperature.
+    for only_top in ({"top_k": 1}, {"top_p": 0.0}, {"min_p": 1.0}):
+        assert all(_took_the_top(srv, seed=3, **{**wide, **only_top})), only_top
+    sampled = _text(srv, 64, seed=1, **wide)
+    assert sampled != greedy and _text(srv, 64, seed=1, **wide) == sampled
+    assert _text(srv, 64, seed=2, **wide) != sampled
+    # The random model repeats itself within 64 tokens: a penalty changes its greedy choice.
+    for penalty in ({"repeat_penalty": 2.0}, {"presence_penalty": 2.0}, {"frequency_penalty": 2.0}):
+        assert _text(srv, 64, temperature=0, **penalty) != greedy, penalty
+    # A stop string ends the text where it begins (not included), finish_reason "stop".
+    at = next(i for i in range(8, len(greedy) - 4) if greedy.find(greedy[i:i + 3]) == i)
+    r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=120, json={
+        **_body(64), "stream": False, "temperature": 0, "stop": [greedy[at:at + 3]]})
+    choice = r.json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (greedy[:at], "stop"), choice
+    # A value vLLM does not take (it needs repetition_penalty > 0) is the caller's error, not the engine's.
+    r = httpx.post(srv.base_url + "/v1/chat/completions", json={**_body(4), "stream": False, "repeat_penalty": 0.0},
+                   timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", r.text
+
+
+def test_a_repeated_prefix_is_served_from_vllms_prefix_cache(srv: Server) -> None:
+    # Longer than a few of the CPU build's 128-token KV pages.
+    body = {**_body(1, "the cat sat on the mat " * 100), "stream": False}
+    first = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=120).json()["usage"]
+    again = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=120).json()["usage"]
+    assert first["prompt_tokens"] == again["prompt_tokens"] > 512, again
+    # Whole pages come from the cache the second time (vLLM recomputes at least the last token).
+    assert again["prompt_tokens_details"]["cached_tokens"] >= 512, (first, again)
+
+
 def test_json_schema_output_is_strict_json(srv: Server) -> None:
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}},
               "required": ["colour"], "additionalProperties": False}

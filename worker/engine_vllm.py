@@ -54,7 +54,7 @@ from worker.chat_template import ChatRenderer, TemplateError, override_template
 from worker.engine_api import Counters, Emit, EngineApi, EngineOptions, LoadError, Refused
 from worker.images import ImageError, check_images, placements
 from worker.protocol import Delta, Done, Error, Generate, ModelFacts, Started
-from worker.vllm_params import MAX_LOGPROBS, logprobs, lora_rank, max_lora_rank, sampling
+from worker.vllm_params import MAX_LOGPROBS, ConstraintError, logprobs, lora_rank, max_lora_rank, sampling
 from worker.vllm_speculative import Unsupported, draft_kv_bytes_per_token, speculative_config
 from worker.vllm_speculative import factory as draft_counter
 
@@ -289,8 +289,11 @@ class VllmEngine:
         max_tokens = room if req.params.max_tokens is None else min(req.params.max_tokens, room)
         try:
             params = sampling(req.params, max_tokens=max(1, max_tokens), stops=[*req.params.stop, *extra_stops])
-        except ValueError as exc:
+        except ConstraintError as exc:
             emit(Error(req.id, "invalid_grammar", f"cannot build the output constraint: {exc}"))
+            return
+        except (ValueError, VLLMClientError) as exc:
+            emit(Error(req.id, "invalid_request", f"vLLM does not take these sampling parameters: {exc}"))
             return
         run = _Request(req, emit, cancelled, ids, params, lora)
         self._loop.submit(self._run(run))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from vllm.config.lora import MaxLoRARanks
+from vllm.exceptions import VLLMClientError
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.sampling_params import SamplingParams as VllmSampling
 
@@ -23,26 +24,39 @@ from worker.protocol import SamplingParams, TokenLogprob, TopLogprob
 
 # The most alternatives per position a request may ask for (vLLM's max_logprobs).
 MAX_LOGPROBS = 20
+# vLLM takes top_p in (0, 1]; ours (OpenAI's) may be 0, which keeps the most
+# likely token only: so does the smallest positive share.
+TOP_P_ONLY_TOP = 1e-9
+
+
+class ConstraintError(ValueError):
+    """The output constraint cannot be built (the request's ``invalid_grammar``)."""
 
 
 def structured(params: SamplingParams) -> StructuredOutputsParams | None:
-    """The output constraint, or None. A schema that is not JSON is a
-    ValueError (the request's ``invalid_grammar``)."""
-    if params.grammar:
-        return StructuredOutputsParams(grammar=params.grammar)
-    if params.json_schema:
-        return StructuredOutputsParams(json=json.loads(params.json_schema))
-    if params.json_object:
-        return StructuredOutputsParams(json_object=True)
+    """The output constraint, or None. Raises :class:`ConstraintError` for a
+    schema that is not JSON or one vLLM refuses."""
+    try:
+        if params.grammar:
+            return StructuredOutputsParams(grammar=params.grammar)
+        if params.json_schema:
+            return StructuredOutputsParams(json=json.loads(params.json_schema))
+        if params.json_object:
+            return StructuredOutputsParams(json_object=True)
+    except (ValueError, VLLMClientError) as exc:  # VLLMValidationError is no ValueError
+        raise ConstraintError(str(exc)) from exc
     return None
 
 
 def sampling(params: SamplingParams, *, max_tokens: int, stops: list[str]) -> Any:
-    """vLLM's SamplingParams for one request, streaming deltas."""
+    """vLLM's SamplingParams for one request, streaming deltas. Raises
+    :class:`ConstraintError` for its output constraint, and vLLM's
+    ``VLLMValidationError`` for a value it does not take (a ``repeat_penalty``
+    of 0: vLLM needs it > 0)."""
     return VllmSampling(
         n=1,
         temperature=params.temperature,
-        top_p=params.top_p,
+        top_p=params.top_p if params.top_p > 0 else TOP_P_ONLY_TOP,
         top_k=max(0, params.top_k),
         min_p=params.min_p,
         repetition_penalty=params.repeat_penalty,
