@@ -5,8 +5,8 @@ code, supervisor/knowledge/) with N chunks of random unit vectors and
 random words in one vector store, then times, per query:
 
 - ``scan``: the cosine top-k the service runs (supervisor/knowledge/vectors.py):
-  vectors read from SQLite in batches on the read-only connection, one
-  numpy product per batch;
+  blocks of 256 vectors read from SQLite on a read-only connection, one
+  numpy product per block;
 - ``in-RAM``: the same top-k over the same vectors held in one numpy
   matrix (what the scan would cost with no database: the floor);
 - ``hybrid``: the whole search the API answers, scan plus SQLite FTS5
@@ -37,24 +37,23 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from supervisor.db import Database  # noqa: E402
-from supervisor.knowledge.schema import KNOWLEDGE_SCHEMA  # noqa: E402
-from supervisor.knowledge.vectors import VectorIndex, unit  # noqa: E402
+from supervisor.knowledge.schema import KNOWLEDGE_SCHEMA, VECTOR_BLOCKS_SCHEMA  # noqa: E402
+from supervisor.knowledge.vectors import BLOCK_CHUNKS, VectorIndex, unit  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(5000)]
-INSERT_BATCH = 2000
 STORE = "vs_" + "0" * 24
 
 
 async def build(db: Database, chunks: int, dim: int, rng: np.random.Generator) -> np.ndarray:
-    """Insert ``chunks`` rows through the service's own insert; returns the vectors."""
+    """Insert ``chunks`` rows through the service's own insert (in its blocks); returns the vectors."""
     index = VectorIndex(db)
     async with db.write() as conn:
         await conn.execute("INSERT INTO vector_stores (id, owner, name, created_at, last_active_at, metadata, model)"
                            " VALUES (?, NULL, 'bench', 0, 0, '{}', 'bench')", (STORE,))
     all_vectors = rng.standard_normal((chunks, dim), dtype=np.float32)
     all_vectors /= np.linalg.norm(all_vectors, axis=1, keepdims=True)
-    for first in range(0, chunks, INSERT_BATCH):
-        n = min(INSERT_BATCH, chunks - first)
+    for first in range(0, chunks, BLOCK_CHUNKS):
+        n = min(BLOCK_CHUNKS, chunks - first)
         picks = rng.integers(0, len(WORDS), (n, 60))
         texts = [" ".join(WORDS[i] for i in row) for row in picks]
         await index.insert(STORE, f"file-{first // 1000:024x}", first, texts,
@@ -79,7 +78,7 @@ def summary(name: str, ms: list[float]) -> str:
 async def main(chunks: int, dim: int, queries: int, k: int) -> None:
     rng = np.random.default_rng(7)
     with tempfile.TemporaryDirectory(prefix="gvbench") as tmp:
-        db = Database(Path(tmp) / "kb.db", [KNOWLEDGE_SCHEMA])
+        db = Database(Path(tmp) / "kb.db", [KNOWLEDGE_SCHEMA, VECTOR_BLOCKS_SCHEMA])
         await db.open()
         try:
             started = time.perf_counter()

@@ -32,8 +32,13 @@ LONG_TEXT = FILLER + "\n\n" + NEEDLE + "\n\n" + FILLER
 
 
 def _chunks(server: Server, file_id: str) -> int:
+    """The file's chunks in the service's database; its vector blocks must agree."""
     with sqlite3.connect(f"file:{server.state_dir / 'gpuvisor.db'}?mode=ro", uri=True) as db:
-        return int(db.execute("SELECT count(*) FROM chunks WHERE file_id = ?", (file_id,)).fetchone()[0])
+        chunks = int(db.execute("SELECT count(*) FROM chunks WHERE file_id = ?", (file_id,)).fetchone()[0])
+        vectors = sum(len(ids) // 8 for (ids,) in db.execute(
+            "SELECT chunk_ids FROM vector_blocks WHERE file_id = ?", (file_id,)))
+    assert vectors == chunks, (vectors, chunks)
+    return chunks
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +185,11 @@ def test_files_and_stores_belong_to_the_key_that_made_them(tiny_model_path: Path
         assert alice.vector_stores.search(store.id, query="garnet ledger").data[0].file_id == secret.id
         assert {s.id for s in admin.vector_stores.list().data} == {store.id, own.id}
         assert admin.files.retrieve(secret.id).id == secret.id
+        # All of it is in the database: a restarted service finds and searches it.
+        srv.restart()
+        alice = sdk(alice_key)
+        assert alice.vector_stores.search(store.id, query="garnet ledger").data[0].file_id == secret.id
+        assert alice.files.content(secret.id).read() == b"Alice keeps the garnet ledger."
 
 
 def test_attribute_filters_choose_the_files_searched(server: Server, client: openai.OpenAI) -> None:
@@ -209,3 +219,14 @@ def test_attribute_filters_choose_the_files_searched(server: Server, client: ope
     bad = httpx.post(f"{server.base_url}/v1/vector_stores/{store.id}/search", json={
         "query": "ferry", "filters": {"type": "and", "filters": [{"type": "eq", "key": 5, "value": "x"}]}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "filters.filters[0].key", bad.text
+
+
+def test_a_search_result_is_what_a_file_search_call_holds() -> None:
+    # What the Responses tool loop puts in a file_search_call item's results.
+    from openai.types.responses.response_file_search_tool_call import Result
+
+    from supervisor.knowledge.service import SearchResult
+    hit = SearchResult("vs_" + "1" * 24, "file-" + "2" * 24, "a.md", 0.5, "text", {"lang": "en", "n": 2})
+    assert Result.model_validate(hit.to_call_result(), strict=True).model_dump() == {
+        "file_id": hit.file_id, "filename": "a.md", "score": 0.5, "text": "text", "attributes": {"lang": "en", "n": 2}}
+    VectorStoreSearchResponse.model_validate(hit.to_object(), strict=True)

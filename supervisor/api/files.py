@@ -8,6 +8,7 @@ passes ``files_max_bytes``; only the small ``purpose`` field is read into memory
 
 from __future__ import annotations
 
+import asyncio
 from urllib.parse import quote
 
 from aiohttp import BodyPartReader, MultipartReader, web
@@ -62,7 +63,7 @@ async def upload(request: web.Request) -> web.Response:
     spool = knowledge.files.open_spool()
     try:
         purpose, filename = await _read_parts(reader, spool)
-        spool.finish()
+        await asyncio.to_thread(spool.finish)  # its fsync may take a while on a busy disk
         rec = await knowledge.files.add(spool, filename, purpose, request_scope(request))
     finally:
         spool.discard()  # nothing once it was kept (its temp name is gone)

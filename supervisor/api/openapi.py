@@ -25,6 +25,7 @@ from jobs.kinds import job_kinds
 from supervisor.api.job_estimate import EstimateBody
 from supervisor.api.jobs import CancelBody, SubmitBody
 from supervisor.api.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
+from supervisor.api.vector_stores import AddFile, CreateStore, Search
 from supervisor.appkeys import OPENAPI_DOCUMENT
 from supervisor.config import ModelSettings
 from supervisor.errors import ErrorEnvelope
@@ -91,6 +92,13 @@ _BOOL_TEXT = {"type": "string", "enum": ["true", "false", "1", "0"]}
 _MODEL_ID = {"id": "A model id as listed by `/api/models` (may contain '/')."}
 _JOB_ID = {"id": "A job id (`job_...`)."}
 _RESPONSE_ID = {"response_id": "A stored response id (`resp_...`)."}
+_FILE_ID = {"file_id": "A file id (`file-...`)."}
+_STORE_ID = {"store_id": "A vector store id (`vs_...`)."}
+_PAGE = (
+    _q("limit", {"type": "integer", "minimum": 1, "maximum": 100}, "Page size (default 20; 100 for files)."),
+    _q("order", {"type": "string", "enum": ["asc", "desc"]}, "By creation time (default desc)."),
+    _q("after", _STR, "The id to list after."),
+)
 _INFERENCE_ERRORS = (400, 404, 413, 429, 502, 503)
 _NO_BODY = (303, 304)
 
@@ -121,6 +129,39 @@ ROUTES: tuple[Operation, ...] = (
               ), errors=(400, 404), path_descriptions=_RESPONSE_ID),
     Operation("POST", "/v1/responses/{response_id}/cancel", "Cancel a background response", "responses",
               errors=(400, 404, 409), path_descriptions=_RESPONSE_ID),
+    # ---------------------------------------------------------- files and vector stores
+    Operation("POST", "/v1/files", "Upload a file (multipart fields `file` and `purpose`)", "files",
+              form=("multipart/form-data", {"type": "object", "required": ["file", "purpose"], "properties": {
+                  "file": {"type": "string", "format": "binary"},
+                  "purpose": {"type": "string", "enum": ["assistants", "user_data"]}}}),
+              errors=(400, 413)),
+    Operation("GET", "/v1/files", "List files, newest first", "files", params=(
+        _q("purpose", _STR, "Only files of this purpose."), *_PAGE), errors=(400, 404)),
+    Operation("GET", "/v1/files/{file_id}", "Retrieve a file", "files", errors=(400, 404), path_descriptions=_FILE_ID),
+    Operation("GET", "/v1/files/{file_id}/content", "A file's bytes", "files", media=("application/octet-stream",),
+              errors=(400, 404), path_descriptions=_FILE_ID),
+    Operation("DELETE", "/v1/files/{file_id}", "Delete a file (and take it out of every vector store)", "files",
+              errors=(400, 404), path_descriptions=_FILE_ID),
+    Operation("POST", "/v1/vector_stores", "Create a vector store, optionally with files", "vector_stores",
+              body=CreateStore, errors=(400, 404, 409)),
+    Operation("GET", "/v1/vector_stores", "List vector stores, newest first", "vector_stores", params=_PAGE,
+              errors=(400, 404)),
+    Operation("GET", "/v1/vector_stores/{store_id}", "Retrieve a vector store", "vector_stores",
+              errors=(400, 404), path_descriptions=_STORE_ID),
+    Operation("DELETE", "/v1/vector_stores/{store_id}", "Delete a vector store and its chunks", "vector_stores",
+              errors=(400, 404), path_descriptions=_STORE_ID),
+    Operation("POST", "/v1/vector_stores/{store_id}/files", "Add a file to a vector store (indexed in the background)",
+              "vector_stores", body=AddFile, errors=(400, 404, 409), path_descriptions=_STORE_ID),
+    Operation("GET", "/v1/vector_stores/{store_id}/files", "List a vector store's files", "vector_stores", params=(
+        _q("filter", {"type": "string", "enum": ["in_progress", "completed", "failed", "cancelled"]},
+           "Only files of this status."), *_PAGE), errors=(400, 404), path_descriptions=_STORE_ID),
+    Operation("GET", "/v1/vector_stores/{store_id}/files/{file_id}", "Retrieve a vector store's file",
+              "vector_stores", errors=(400, 404), path_descriptions={**_STORE_ID, **_FILE_ID}),
+    Operation("DELETE", "/v1/vector_stores/{store_id}/files/{file_id}",
+              "Take a file out of a vector store (its chunks go, the file stays)", "vector_stores",
+              errors=(400, 404), path_descriptions={**_STORE_ID, **_FILE_ID}),
+    Operation("POST", "/v1/vector_stores/{store_id}/search", "Search a vector store (hybrid: embeddings and words)",
+              "vector_stores", body=Search, errors=(400, 404, 409, 502, 503), path_descriptions=_STORE_ID),
     # ---------------------------------------------------------- lab: jobs
     Operation("POST", "/api/jobs", "Submit a job; `params` follow the kind's schema", "jobs",
               body=SubmitBody, ok=201, errors=(400, 413, 503)),
@@ -183,6 +224,7 @@ ROUTES: tuple[Operation, ...] = (
     Operation("GET", "/healthz", "Liveness, uptime and workers", "service"),
     Operation("GET", "/readyz", "Ready to serve (503 while no worker serves)", "service", errors=(503,)),
     Operation("GET", "/api/workers", "Every model worker with its state and counters", "service"),
+    Operation("GET", "/api/hosted-tools", "Which hosted tools requests may use, and why not", "service"),
     Operation("GET", "/metrics", "Prometheus metrics", "service", media=("text/plain",)),
     Operation("GET", OPENAPI_PATH, "This document", "service"),
     # ---------------------------------------------------------- web UI and login

