@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -37,7 +38,9 @@ pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-vllm"
 N_CTX = 4096
 # vLLM's own settings reach its worker; a secret named like one does not.
-VLLM_ENV = {"VLLM_NO_USAGE_STATS": "1", "VLLM_API_KEY": "sk-not-for-workers"}
+# VLLM_CPU_KVCACHE_SPACE (GiB) would size vLLM's KV cache on the CPU build:
+# the fit's exact budget must still be the one vLLM uses.
+VLLM_ENV = {"VLLM_NO_USAGE_STATS": "1", "VLLM_API_KEY": "sk-not-for-workers", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +107,17 @@ def test_vllm_settings_reach_the_worker(srv: Server) -> None:
     env = _environ(int(_ready(srv)["pid"]))
     assert env.get("VLLM_NO_USAGE_STATS") == "1"
     assert "VLLM_API_KEY" not in env and VLLM_ENV["VLLM_API_KEY"] not in env.values()
+
+
+def test_the_fits_kv_budget_wins_over_vllms_own_setting(srv: Server) -> None:
+    _ready(srv)
+    assert _environ(int(srv.worker(MODEL)["pid"])).get("VLLM_CPU_KVCACHE_SPACE") == "1"
+    fit = httpx.get(f"{srv.base_url}/api/models/{MODEL}", timeout=10).json()["fit"]
+    assert fit["kv_bytes"] == N_CTX * 2 * 1024, fit  # 1 KiB a token, 2 sequences
+    log = httpx.get(f"{srv.base_url}/api/models/{MODEL}/log", timeout=10).text
+    found = re.findall(r"KV cache size: ([\d,]+) tokens", log)
+    # 1 GiB would be 1,048,576 tokens of this model.
+    assert found and int(found[-1].replace(",", "")) == N_CTX * 2, log[-2000:]
 
 
 def test_a_job_drains_and_evicts_the_vllm_worker(srv: Server) -> None:
