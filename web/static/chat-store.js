@@ -2,6 +2,8 @@
 // Responses API conversation is a chain through previous_response_id: each
 // entry keeps the last response id (to continue it), every response id (to
 // delete them on the server) and the turns as shown (to show it again).
+import { savedCall } from './chat-calls.js';
+
 const KEY = 'gpuvisor.chats';
 const MAX_CONVERSATIONS = 50;
 const MAX_TURN_CHARS = 20_000;
@@ -45,6 +47,7 @@ function storedTurn(t) {
     user: t.user.slice(0, MAX_TURN_CHARS), text: t.text.slice(0, MAX_TURN_CHARS), reasoning: t.reasoning.slice(0, MAX_TURN_CHARS),
     model: t.model, status: t.status === 'streaming' ? 'stopped' : t.status, usage: t.usage, tps: t.tps, seconds: t.seconds,
     error: t.error ? { message: t.error.message || String(t.error) } : null, responseId: t.responseId || null,
+    calls: (t.calls || []).map(savedCall),
   };
 }
 

@@ -3,6 +3,9 @@
 // /v1/chat/completions with the history kept here. Both report the same
 // callbacks: onReasoning(text), onText(text), onDone({usage, status, id}).
 // Images (data: URLs) go with the turn's text as input_image / image_url parts.
+// Hosted tools (`tools`, `include`, `toolChoice`) go only through
+// /v1/responses; every event the page may follow that is not text (the
+// hosted calls: chat-calls.js) goes to onEvent(event).
 import { ApiError, send } from './api.js';
 import { readEvents } from './sse.js';
 
@@ -23,10 +26,10 @@ export class ChatSession {
     this.history = [];
   }
 
-  async turn({ model, text, images = [], instructions, maxTokens, temperature, signal }, cb) {
+  async turn({ model, text, images = [], instructions, maxTokens, temperature, tools = [], include = [], toolChoice = null, signal }, cb) {
     if (this.mode === 'responses') {
       try {
-        return await this.viaResponses({ model, text, images, instructions, maxTokens, temperature, signal }, cb);
+        return await this.viaResponses({ model, text, images, instructions, maxTokens, temperature, tools, include, toolChoice, signal }, cb);
       } catch (err) {
         if (!routeMissing(err)) throw err;
         this.mode = 'chat';
@@ -36,7 +39,7 @@ export class ChatSession {
     return this.viaChat({ model, text, images, instructions, maxTokens, temperature, signal }, cb);
   }
 
-  async viaResponses({ model, text, images = [], instructions, maxTokens, temperature, signal }, cb) {
+  async viaResponses({ model, text, images = [], instructions, maxTokens, temperature, tools = [], include = [], toolChoice = null, signal }, cb) {
     const input = images.length ? [{
       role: 'user',
       content: [{ type: 'input_text', text }, ...images.map((url) => ({ type: 'input_image', image_url: url, detail: 'auto' }))],
@@ -46,6 +49,9 @@ export class ChatSession {
     if (instructions) body.instructions = instructions;
     if (maxTokens) body.max_output_tokens = maxTokens;
     if (temperature !== null && temperature !== undefined) body.temperature = temperature;
+    if (tools.length) body.tools = tools;
+    if (tools.length && include.length) body.include = include;
+    if (tools.length && toolChoice) body.tool_choice = toolChoice;
     const response = await send('POST', 'v1/responses', { json: body, signal, headers: { Accept: 'text/event-stream' } });
     let id = null;
     for await (const msg of readEvents(response)) {
@@ -72,6 +78,7 @@ export class ChatSession {
         case 'error':
           throw new ApiError(500, ev.error || ev);
         default:
+          cb.onEvent?.(ev);
           break;
       }
     }

@@ -7,11 +7,14 @@
 // file picker, drag-and-drop or paste, for models whose projector loaded
 // (``vision`` in /api/models); they are sent inline as data: URLs. Until
 // its first token, a turn to a model that is not loaded says it loads, with
-// the load's progress (the picker and that line: chat-models.js).
-import { send } from './api.js';
+// the load's progress (the picker and that line: chat-models.js). The hosted
+// tools the server runs are switched on in the settings and each call they
+// make shows in the answer (chat-calls.js).
+import { getJson, send } from './api.js';
 import { errorBox, formatNumber, h, progressBar, replace } from './dom.js';
 import { loadingState, modelPicker } from './chat-models.js';
 import { ChatSession } from './chat-stream.js';
+import { callView, followCall, requestTools, toolSwitches } from './chat-calls.js';
 import { busyBox, isDeviceBusy, positionText, waitForDevice } from './chat-wait.js';
 import {
   getConversation, listConversations, newConversationId, removeConversation, renameConversation, saveConversation, titleFrom,
@@ -20,6 +23,7 @@ import { renderMarkdown } from './markdown.js';
 
 const conversation = {
   session: new ChatSession(), turns: [], model: '', instructions: '', maxTokens: 512, temperature: '', id: null, title: '',
+  tools: {}, requireTool: false, // hosted tools switched on (chat-calls.js requestTools), tool_choice required
 };
 
 // The server's bounds (worker/protocol.py): refused here first, with the reason.
@@ -73,6 +77,18 @@ function turnView(turn, actions) {
   const reasoningBody = h('div', { class: 'reasoning-text', text: turn.reasoning });
   const reasoning = h('details', { class: 'reasoning', hidden: !turn.reasoning },
     h('summary', { text: turn.status === 'streaming' && !turn.text ? 'Thinking…' : 'Reasoning' }), reasoningBody);
+  const calls = h('div', { class: 'hosted-calls', 'aria-label': 'Tool calls' });
+  const callViews = [];
+  const showCalls = () => {
+    for (const call of (turn.calls || []).slice(callViews.length)) {
+      const v = callView(call);
+      callViews.push(v);
+      calls.append(v.el);
+    }
+    for (const v of callViews) v.update();
+    calls.hidden = !callViews.length;
+  };
+  showCalls();
   const text = h('div', { class: 'answer-text markdown' });
   text.append(renderMarkdown(turn.text));
   let shown = turn.text;
@@ -80,7 +96,7 @@ function turnView(turn, actions) {
   const error = h('div');
   error.append(turnError(turn, actions) ?? '');
   const answer = h('div', { class: `msg assistant ${turn.status}`, 'aria-busy': String(turn.status === 'streaming') },
-    h('div', { class: 'who', text: turn.model }), loading, reasoning, text, error, meta);
+    h('div', { class: 'who', text: turn.model }), loading, reasoning, calls, text, error, meta);
   // Saved conversations keep only a count of their images (localStorage is small).
   const pics = (turn.images || []).map((url) => h('img', { class: 'chat-image', src: url, alt: 'attached image' }));
   const missing = (turn.imageCount || 0) - pics.length;
@@ -98,6 +114,7 @@ function turnView(turn, actions) {
       reasoningBody.textContent = turn.reasoning;
       reasoning.hidden = !turn.reasoning;
       reasoning.querySelector('summary').textContent = turn.status === 'streaming' && !turn.text ? 'Thinking…' : 'Reasoning';
+      if (turn.callsChanged) { showCalls(); turn.callsChanged = false; }
       if (turn.text !== shown) { replace(text, renderMarkdown(turn.text)); shown = turn.text; }
       meta.textContent = usageLine(turn);
       answer.className = `msg assistant ${turn.status}`;
@@ -114,6 +131,10 @@ export function mount(root, _params, query) {
   const maxTokens = h('input', { id: 'chat-max-tokens', type: 'number', min: 1, step: 1, value: c.maxTokens });
   const temperature = h('input', { id: 'chat-temperature', type: 'number', min: 0, max: 2, step: 0.1, placeholder: 'default', value: c.temperature });
   const modeNote = h('p', { class: 'small muted mode-note', role: 'status' });
+  const toolRows = h('div', { class: 'tool-switches' }, h('p', { class: 'small muted', text: 'Asking the server which tools it runs…' }));
+  const requireTool = h('input', { id: 'chat-require-tool', type: 'checkbox', checked: c.requireTool });
+  const tools = h('fieldset', { class: 'hosted-tools' }, h('legend', { text: 'Hosted tools' }), toolRows,
+    h('label', { class: 'small', for: 'chat-require-tool', title: 'tool_choice: required' }, requireTool, ' Make the model call a tool'));
   const transcript = h('div', { class: 'transcript', role: 'log', 'aria-live': 'polite', 'aria-label': 'Conversation' });
   const input = h('textarea', { id: 'chat-input', rows: 3, placeholder: 'Ask something… (Enter sends, Shift+Enter for a new line)', 'aria-label': 'Message' });
   const sendBtn = h('button', { type: 'submit', class: 'primary', text: 'Send' });
@@ -134,7 +155,7 @@ export function mount(root, _params, query) {
     h('div', { class: 'field-pair' },
       h('div', { class: 'field' }, h('label', { for: 'chat-max-tokens', text: 'Max tokens' }), maxTokens),
       h('div', { class: 'field' }, h('label', { for: 'chat-temperature', text: 'Temperature' }), temperature)),
-    modeNote);
+    tools, modeNote);
   const history = h('details', { class: 'card chat-history', open: true },
     h('summary', {}, h('h2', { text: 'Conversations' })), convList);
   root.append(
@@ -378,6 +399,15 @@ export function mount(root, _params, query) {
   instructions.addEventListener('input', () => { c.instructions = instructions.value; });
   maxTokens.addEventListener('input', () => { c.maxTokens = maxTokens.value; });
   temperature.addEventListener('input', () => { c.temperature = temperature.value; });
+  requireTool.addEventListener('change', () => { c.requireTool = requireTool.checked; });
+
+  // Only what this server runs is offered; what it does not is shown off, with why.
+  getJson('api/hosted-tools').then((body) => {
+    for (const state of body.data) if (!state.enabled) delete c.tools[state.type];
+    replace(toolRows, toolSwitches(body.data, c.tools, () => {}));
+  }, (err) => {
+    replace(toolRows, h('p', { class: 'small muted', text: `Hosted tools cannot be offered: ${err.message}` }));
+  });
 
   input.addEventListener('keydown', (ev) => {
     if (ev.key === 'Enter' && !ev.shiftKey && !ev.isComposing) {
@@ -398,7 +428,13 @@ export function mount(root, _params, query) {
     const temp = temperature.value.trim() === '' ? null : Number(temperature.value);
     if (temp !== null && !(temp >= 0 && temp <= 2)) return { error: 'Temperature must be within 0 and 2.' };
     if (!modelSel.value) return { error: 'Pick a model first.' };
-    return { model: modelSel.value, maxTokens: max, temperature: temp, instructions: instructions.value.trim() };
+    if (c.tools.mcp && !c.tools.mcp.url) return { error: 'Give the MCP server’s URL, or switch the MCP tool off.' };
+    if (c.tools.file_search && !c.tools.file_search.stores.length) return { error: 'Name a vector store to search, or switch file search off.' };
+    const { tools: list, include } = requestTools(c.tools);
+    return {
+      model: modelSel.value, maxTokens: max, temperature: temp, instructions: instructions.value.trim(),
+      tools: list, include, toolChoice: list.length && c.requireTool ? 'required' : null,
+    };
   }
 
   composer.addEventListener('submit', async (ev) => {
@@ -412,7 +448,9 @@ export function mount(root, _params, query) {
     if (images.length && noVision()) { formError.textContent = noVision(); return; }
     attached = [];
     showThumbs();
-    const turn = { user: text, images, imageCount: images.length, model: s.model, reasoning: '', text: '', status: 'streaming', usage: null, error: null, tps: null, seconds: null, responseId: null, loading: null };
+    const turn = {
+      user: text, images, imageCount: images.length, model: s.model, reasoning: '', text: '', status: 'streaming', usage: null, error: null, tps: null, seconds: null, responseId: null, loading: null, calls: [],
+    };
     c.turns.push(turn);
     const view = addView(turn);
     // Until the first token: a model that is not loaded yet says so (a first use loads it).
@@ -448,6 +486,12 @@ export function mount(root, _params, query) {
         onStart: (id) => { turn.responseId = id; },
         onText: (d) => { turn.text += d; delta(); },
         onReasoning: (d) => { turn.reasoning += d; delta(); },
+        onEvent: (ev) => {
+          if (!followCall(turn.calls, ev, performance.now())) return;
+          turn.callsChanged = true;
+          received();
+          frame ||= requestAnimationFrame(render);
+        },
         onFallback: describeMode,
       });
       const end = performance.now();
