@@ -6,6 +6,7 @@ non-text files are refused, and stores belong to the key that made them."""
 
 from __future__ import annotations
 
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -230,3 +231,39 @@ def test_a_search_result_is_what_a_file_search_call_holds() -> None:
     assert Result.model_validate(hit.to_call_result(), strict=True).model_dump() == {
         "file_id": hit.file_id, "filename": "a.md", "score": 0.5, "text": "text", "attributes": {"lang": "en", "n": 2}}
     VectorStoreSearchResponse.model_validate(hit.to_object(), strict=True)
+
+
+def _status_in_db(state: Path, store_id: str, file_id: str) -> str:
+    with sqlite3.connect(f"file:{state / 'gpuvisor.db'}?mode=ro", uri=True) as db:
+        return str(db.execute("SELECT status FROM vector_store_files WHERE store_id = ? AND file_id = ?",
+                              (store_id, file_id)).fetchone()[0])
+
+
+def test_indexing_is_stopped_by_a_delete_and_resumed_after_a_crash(tiny_model_path: Path) -> None:
+    models = short_tempdir("gvm")
+    (models / "tiny.gguf").symlink_to(tiny_model_path)
+    # Long enough that indexing takes seconds: hundreds of chunks.
+    book = "\n\n".join(f"Chapter {i}: the archivist files report {i} under shelf {i % 17}." for i in range(1500))
+    with running(Server(models, env=EMBED_ENV)) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        f = client.files.create(file=("archive.txt", book.encode()), purpose="assistants")
+        doomed = client.vector_stores.create(name="doomed", file_ids=[f.id])
+        client.vector_stores.delete(doomed.id)  # cancels its indexing task and waits for it
+        assert _chunks(srv, f.id) == 0
+        store = client.vector_stores.create(name="kept", file_ids=[f.id])
+        poll_until(lambda: _chunks(srv, f.id), lambda n: n > 0)  # indexing has begun
+        srv.stop(signal.SIGKILL)
+        assert _status_in_db(srv.state_dir, store.id, f.id) == "in_progress"
+        srv.start()
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        done = _indexed(client, store.id, 1)
+        assert done.file_counts.completed == 1
+        # Among hundreds of chunks the tiny model's random embeddings put some
+        # other chunk first too (a tie in the fused ranks): the words' chunk
+        # is among the first three, not necessarily first.
+        hits = client.vector_stores.search(store.id, query="report 1271", max_num_results=3).data
+        assert any("report 1271 " in h.content[0].text for h in hits), hits
+        # Each chunk once: the resumed run replaced what the killed one left.
+        with sqlite3.connect(f"file:{srv.state_dir / 'gpuvisor.db'}?mode=ro", uri=True) as db:
+            seqs = [r[0] for r in db.execute("SELECT seq FROM chunks WHERE file_id = ? ORDER BY seq", (f.id,))]
+        assert seqs == list(range(len(seqs)))
