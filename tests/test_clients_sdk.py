@@ -198,7 +198,6 @@ AGENTS = {
               {"type": "function", "name": "close_agent", "parameters": {"type": "object", "properties": {}}}],
 }
 HOSTED: list[dict[str, Any]] = [
-    {"type": "file_search", "vector_store_ids": ["vs_1"]},
     {"type": "image_generation"},
     {"type": "local_shell"},
 ]

@@ -15,7 +15,7 @@ from supervisor.api.auth import request_scope
 from supervisor.api.callers import caller_of
 from supervisor.api.io import SseWriter, decode_body, json_response
 from supervisor.api.streaming import Keepalive
-from supervisor.appkeys import RESPONSES
+from supervisor.appkeys import KNOWLEDGE, RESPONSES
 from supervisor.errors import BadRequest
 from supervisor.responses.background import DEFAULT_PRUNE_INTERVAL_S, DEFAULT_RETENTION_S
 from supervisor.responses.events import Event
@@ -203,8 +203,9 @@ def setup(
     starts after the database and the pool (add it after their contexts) and
     stops, cancelling background responses, before them. ``open_containers``
     makes the code_interpreter's sandbox containers at start (none: it is off)."""
+    # The knowledge base starts after this context (its own, in the app): file_search looks it up per request.
     api = ResponsesApi(retention_s=retention_s, prune_interval_s=prune_interval_s, keepalive_s=keepalive_s,
-                       hosted=hosted, open_containers=open_containers)
+                       hosted=hosted, open_containers=open_containers, knowledge=lambda: app.get(KNOWLEDGE))
     app[RESPONSES] = api
     add_routes(app)
     app.cleanup_ctx.append(api.context)

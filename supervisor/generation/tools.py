@@ -96,6 +96,30 @@ class WebSearchTool(msgspec.Struct, kw_only=True):
     search_content_types: list[str] | None = None
 
 
+class FileSearchHybrid(msgspec.Struct, kw_only=True):
+    embedding_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)]
+    text_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)]
+
+
+class FileSearchRanking(msgspec.Struct, kw_only=True):
+    # One ranker here (the knowledge base's hybrid fusion): the names are accepted.
+    ranker: Literal["none", "auto", "default-2024-11-15"] | None = None
+    score_threshold: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    hybrid_search: FileSearchHybrid | None = None
+
+
+class FileSearchTool(msgspec.Struct, tag="file_search", tag_field="type", kw_only=True):
+    """A search of the caller's vector stores the server runs, when an admin
+    names an embedding model (supervisor/responses/hosted/file_search.py);
+    never offered as is. ``filters``: OpenAI's attribute filters, checked
+    by the knowledge base."""
+
+    vector_store_ids: list[str]
+    max_num_results: Annotated[int, msgspec.Meta(ge=1, le=50)] | None = None
+    filters: Any = None
+    ranking_options: FileSearchRanking | None = None
+
+
 WEB_SEARCH_TYPES = ("web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11")
 _WEB_SEARCH_STRUCTS = tuple(
     cast(type[WebSearchTool], msgspec.defstruct("Tool" + "".join(p.capitalize() for p in t.split("_")), [],
@@ -125,20 +149,21 @@ def _hosted_struct(tool_type: str) -> type[HostedTool]:
 
 
 # The hosted tools the server can run (responses/hosted/) have their own Structs.
-RUN_HERE = ("mcp", "code_interpreter", *WEB_SEARCH_TYPES)
+RUN_HERE = ("mcp", "code_interpreter", "file_search", *WEB_SEARCH_TYPES)
 _HOSTED_STRUCTS = tuple(_hosted_struct(t) for t in HOSTED_TOOL_TYPES if t not in RUN_HERE)
 
 if TYPE_CHECKING:
-    RequestTool = FunctionTool | NamespaceTool | McpTool | CodeInterpreterTool | WebSearchTool | HostedTool
+    RequestTool = (FunctionTool | NamespaceTool | McpTool | CodeInterpreterTool | WebSearchTool | FileSearchTool
+                   | HostedTool)
 else:
-    RequestTool = Union[(FunctionTool, NamespaceTool, McpTool, CodeInterpreterTool, *_WEB_SEARCH_STRUCTS,
-                         *_HOSTED_STRUCTS)]
+    RequestTool = Union[(FunctionTool, NamespaceTool, McpTool, CodeInterpreterTool, FileSearchTool,
+                         *_WEB_SEARCH_STRUCTS, *_HOSTED_STRUCTS)]
 
 
 def runs_here(tool: RequestTool) -> bool:
     """A hosted tool the server runs itself (its calls and choice are resolved
     once the tool is set up, in responses/hosted/)."""
-    return isinstance(tool, McpTool | CodeInterpreterTool | WebSearchTool)
+    return isinstance(tool, McpTool | CodeInterpreterTool | WebSearchTool | FileSearchTool)
 
 
 class NamedFunction(msgspec.Struct, tag="function", tag_field="type"):
@@ -275,7 +300,8 @@ def resolve(functions: list[FunctionTool], choice: ToolChoice, *,
         if choice.kind in RUN_HERE:
             raise BadRequest(f"tool_choice names the {choice.kind} tool, but tools has none", param=f"{param}.type")
         raise BadRequest(f"tool_choice {choice.kind!r}: the hosted {choice.kind} tool is not enabled on this "
-                         "server (of the hosted tools, only mcp, code_interpreter and web_search run here)",
+                         "server (of the hosted tools, only mcp, code_interpreter, web_search and file_search "
+                         "run here)",
                          param=f"{param}.type", code="hosted_tool_unavailable")
     if isinstance(choice, AllowedTools):
         return _narrow(functions, namespaces, choice, param)

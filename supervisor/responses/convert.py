@@ -17,6 +17,7 @@ from supervisor.generation.images import Images, decode_data_url
 from supervisor.generation.tools import FunctionTool
 from supervisor.responses.items import (
     CodeInterpreterCallItem,
+    FileSearchCallItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     InputImage,
@@ -88,15 +89,19 @@ class _Turns:
             )
         self.messages.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id, name=name))
 
-    def add_hosted_call(self, item: McpCallItem | CodeInterpreterCallItem | WebSearchCallItem) -> None:
+    def add_hosted_call(self, item: McpCallItem | CodeInterpreterCallItem | WebSearchCallItem
+                        | FileSearchCallItem) -> None:
         """A call the server ran: the assistant's call, then its result, as for a function."""
         msg = self._assistant()
         self._take_reasoning(msg)
-        # The functions the model was offered (responses/hosted/code_interpreter.py, web_search.py).
+        # The functions the model was offered (responses/hosted/code_interpreter.py, web_search.py,
+        # file_search.py).
         if isinstance(item, CodeInterpreterCallItem):
             name, arguments = "code_interpreter", json.dumps({"code": item.code or ""})
         elif isinstance(item, WebSearchCallItem):
             name, arguments = "web_search", json.dumps({"query": item.action.query or ""})
+        elif isinstance(item, FileSearchCallItem):
+            name, arguments = "file_search", json.dumps({"queries": item.queries})
         else:
             name, arguments = item.name, item.arguments
         call = {"id": item.id, "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -132,7 +137,7 @@ def to_messages(
                 turns.add_output(item, param)
             case ReasoningItem():
                 turns.add_reasoning(item)
-            case McpCallItem() | CodeInterpreterCallItem() | WebSearchCallItem():
+            case McpCallItem() | CodeInterpreterCallItem() | WebSearchCallItem() | FileSearchCallItem():
                 turns.add_hosted_call(item)
             case McpListToolsItem():
                 pass  # the tools it lists are offered as functions, not rendered as a turn

@@ -30,6 +30,7 @@ import msgspec
 from supervisor.generation.pieces import Piece, Reasoning, Text, ToolCall
 from supervisor.responses.items import (
     CodeInterpreterCallItem,
+    FileSearchCallItem,
     FunctionCallItem,
     Item,
     MessageItem,
@@ -274,11 +275,12 @@ class EventBuilder:
         index = self.add_item(item)
         common = {"item_id": item.id, "output_index": index}
         out: list[Event]
-        if isinstance(item, WebSearchCallItem):
+        if isinstance(item, WebSearchCallItem | FileSearchCallItem):
+            kind = "web_search_call" if isinstance(item, WebSearchCallItem) else "file_search_call"
             out = [
                 self._event("response.output_item.added", output_index=index,
                             item=msgspec.structs.replace(item, status="in_progress")),
-                self._event("response.web_search_call.in_progress", **common),
+                self._event(f"response.{kind}.in_progress", **common),
             ]
         elif isinstance(item, CodeInterpreterCallItem):
             # As OpenAI streams it: the call is in progress, then its code.

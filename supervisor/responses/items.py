@@ -235,8 +235,57 @@ class WebSearchCallItem(msgspec.Struct, tag="web_search_call", tag_field="type",
         return "\n\n".join(f"[{r.n}] {r.title}\n{r.url}\n{r.snippet}".rstrip() for r in self.results)
 
 
+class FileSearchResult(msgspec.Struct, kw_only=True):
+    """One chunk a file search handed the model, as the SDK's file search
+    ``Result``; ``n`` is the number it was shown under (and may cite as
+    ``[n]``), counted over the conversation with web_search's results."""
+
+    n: int
+    file_id: str
+    filename: str
+    score: float
+    text: str
+    attributes: dict[str, str | float | bool] = {}
+
+
+class FileSearchCallItem(msgspec.Struct, tag="file_search_call", tag_field="type", kw_only=True, dict=True):
+    """A knowledge-base search the server ran (responses/hosted/file_search.py),
+    as the SDK's ``ResponseFileSearchToolCall``. ``results`` is there when the
+    request included ``file_search_call.results``; the model reads them either
+    way (:func:`keep_read`), and a later turn rereads only the stored ones."""
+
+    queries: list[str]
+    status: Literal["in_progress", "searching", "completed", "incomplete", "failed"] = "completed"
+    results: list[FileSearchResult] | None = None
+    id: str = ""
+
+    def read(self) -> list[FileSearchResult] | None:
+        """What the model read: the results kept on the item, else the stored ones."""
+        kept = self.__dict__.get("shown")
+        return kept if isinstance(kept, list) else self.results
+
+    def result_text(self) -> str:
+        """What the model reads back: the numbered chunks."""
+        if self.status == "failed":
+            return "error: the search failed; answer without it"
+        results = self.read()
+        if results is None:
+            if self.status == "completed":
+                return "(the results of this search were not kept; search again to read them)"
+            return "error: the search did not finish"
+        if not results:
+            return "no results"
+        return "\n\n".join(f"[{r.n}] {r.filename}\n{r.text}" for r in results)
+
+
+def keep_read(item: FileSearchCallItem, results: list[FileSearchResult]) -> None:
+    """Keep what the model read on the item without storing it (the request
+    did not include the results): the loop's next generation reads them."""
+    item.__dict__["shown"] = results
+
+
 Item = (MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | McpListToolsItem | McpCallItem
-        | CodeInterpreterCallItem | WebSearchCallItem)
+        | CodeInterpreterCallItem | WebSearchCallItem | FileSearchCallItem)
 
 _ID_PREFIX: dict[type[Any], str] = {
     MessageItem: "msg",
@@ -247,6 +296,7 @@ _ID_PREFIX: dict[type[Any], str] = {
     McpCallItem: "mcp",
     CodeInterpreterCallItem: "ci",
     WebSearchCallItem: "ws",
+    FileSearchCallItem: "fs",
 }
 
 

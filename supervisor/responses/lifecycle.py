@@ -23,6 +23,7 @@ from supervisor.responses.background import (
     BackgroundTasks,
 )
 from supervisor.responses.hosted.code_interpreter import Containers, expire_idle
+from supervisor.responses.hosted.file_search import KnowledgeRef
 from supervisor.responses.hosted.settings import HostedSettings
 from supervisor.responses.runner import GenerationPool
 from supervisor.responses.service import DEFAULT_KEEPALIVE_S, ResponsesService
@@ -43,9 +44,11 @@ class ResponsesApi:
         clock: Callable[[], float] = time.time,
         hosted: HostedSettings | None = None,
         open_containers: OpenContainers | None = None,
+        knowledge: KnowledgeRef | None = None,
     ) -> None:
         self.hosted = hosted
         self._open_containers = open_containers
+        self._knowledge = knowledge
         self.containers = Containers()
         self._expiry: asyncio.Task[None] | None = None
         self.retention_s = retention_s
@@ -73,7 +76,8 @@ class ResponsesApi:
             if containers is not None:
                 self._expiry = asyncio.create_task(expire_idle(containers), name="containers-expiry")
         self._service = ResponsesService(pool, store, background, keepalive_s=self.keepalive_s, clock=self._clock,
-                                         hosted=self.hosted, containers=self.containers)
+                                         hosted=self.hosted, containers=self.containers,
+                                         knowledge=self._knowledge)
 
     async def stop(self) -> None:
         if self._service is not None:

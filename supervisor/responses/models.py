@@ -74,7 +74,9 @@ class TextConfig(msgspec.Struct, kw_only=True):
 # changes nothing; output-text logprobs are computed by the worker.
 Includable = Literal["reasoning.encrypted_content", "message.output_text.logprobs",
                      # Hosted tools' items always carry these here.
-                     "code_interpreter_call.outputs", "web_search_call.action.sources", "web_search_call.results"]
+                     "code_interpreter_call.outputs", "web_search_call.action.sources", "web_search_call.results",
+                     # Asked for, a file_search_call keeps the chunks it found (else the model alone reads them).
+                     "file_search_call.results"]
 
 Metadata = Annotated[
     dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],

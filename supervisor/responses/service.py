@@ -48,6 +48,7 @@ from supervisor.responses.runner import (
     run,
 )
 from supervisor.responses.hosted.code_interpreter import Containers
+from supervisor.responses.hosted.file_search import KnowledgeRef
 from supervisor.responses.hosted.loop import ToolLoop
 from supervisor.responses.hosted.session import HostedSession, open_session, refuse_early
 from supervisor.responses.hosted.settings import HostedSettings
@@ -82,11 +83,14 @@ class ResponsesService:
         clock: Callable[[], float] = time.time,
         hosted: HostedSettings | None = None,
         containers: Containers | None = None,
+        knowledge: KnowledgeRef | None = None,
     ) -> None:
         self.pool = pool
         self.hosted = hosted or HostedSettings()
         # The code_interpreter's sandbox containers, or why there are none.
         self.containers = containers or Containers()
+        # The knowledge base file_search searches, once the app has made it.
+        self.knowledge = knowledge
         self.store = store
         self.background = background
         self.keepalive_s = keepalive_s
@@ -172,7 +176,7 @@ class ResponsesService:
         """The request with its hosted tools set up and offered (responses/hosted/), if it has any."""
         if not any(runs_here(t) for t in valid.body.tools):
             return valid, None
-        return await open_session(valid, history, self.hosted, self.containers, owner)
+        return await open_session(valid, history, self.hosted, self.containers, owner, self.knowledge)
 
     def _generated(self, resp: ResponseObject, valid: ValidRequest, history: list[Item], generation: Plan,
                    outputs: Outputs, session: HostedSession | None, builder: EventBuilder,
@@ -231,7 +235,7 @@ class ResponsesService:
         history = await self._history(valid.body, owner)
         # Reject a bad conversation (e.g. an output for an unknown call) now, as a 400.
         to_messages(history, valid.items, valid.body.instructions)
-        refuse_early(valid, self.hosted, self.containers, owner)
+        await refuse_early(valid, self.hosted, self.containers, owner, self.knowledge)
         self.background.check_capacity()
         resp = new_response(valid.body, self._clock(), "queued")
         builder = EventBuilder(resp, self._clock)

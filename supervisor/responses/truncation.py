@@ -21,6 +21,7 @@ from supervisor.generation.tools import FunctionTool
 from supervisor.responses.convert import template_tools
 from supervisor.responses.items import (
     CodeInterpreterCallItem,
+    FileSearchCallItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     Item,
@@ -53,6 +54,8 @@ def _text(item: Item) -> str:
             return (item.code or "") + item.result_text()
         case WebSearchCallItem():
             return (item.action.query or "") + item.result_text()
+        case FileSearchCallItem():
+            return " ".join(item.queries) + item.result_text()
         case McpListToolsItem():
             return ""
 

@@ -2,10 +2,12 @@
 
 One response, several generations. The first runs as any other (its
 events, then the calls it made to hosted tools: ``mcp_call``,
-``code_interpreter_call`` and ``web_search_call`` items, in progress). Then each call runs
+``code_interpreter_call``, ``web_search_call`` and ``file_search_call``
+items, in progress). Then each call runs
 (``response.mcp_call.in_progress``, then ``completed`` or ``failed``;
 ``response.code_interpreter_call.interpreting``, then ``completed``;
-``response.web_search_call.searching``, then ``completed``), its
+``response.web_search_call.searching`` and ``response.file_search_call.searching``,
+then ``completed``), its
 result goes back to the model with the conversation so far, and the next
 generation starts, until one ends without a hosted call. Limits end it cleanly: after ``max_iterations``
 generations with calls, or once the calls took ``total_timeout_s``, the
@@ -27,10 +29,12 @@ from supervisor.responses.events import Event, EventBuilder
 from supervisor.responses.hosted.session import HostedCall, HostedSession, parsed_arguments
 from supervisor.responses.items import (
     CodeInterpreterCallItem,
+    FileSearchCallItem,
     Item,
     McpCallItem,
     MessageItem,
     WebSearchCallItem,
+    keep_read,
     normalize,
 )
 from supervisor.responses.runner import GenerationPool, Outputs, Plan, run
@@ -110,9 +114,9 @@ class ToolLoop:
         if isinstance(call, CodeInterpreterCallItem):
             call.status = "interpreting"
             yield builder.event("response.code_interpreter_call.interpreting", **common)
-        elif isinstance(call, WebSearchCallItem):
+        elif isinstance(call, WebSearchCallItem | FileSearchCallItem):
             call.status = "searching"
-            yield builder.event("response.web_search_call.searching", **common)
+            yield builder.event(f"response.{_kind(call)}.searching", **common)
         else:
             yield builder.event("response.mcp_call.in_progress", **common)
         try:
@@ -121,11 +125,10 @@ class ToolLoop:
             # The response was cancelled (or its client left) while the call ran.
             call.status = "incomplete"
             raise
-        if isinstance(call, CodeInterpreterCallItem | WebSearchCallItem):
+        if isinstance(call, CodeInterpreterCallItem | WebSearchCallItem | FileSearchCallItem):
             # The SDK has no event for a run that failed: the item's status says it.
             if call.status == "completed":
-                kind = "code_interpreter_call" if isinstance(call, CodeInterpreterCallItem) else "web_search_call"
-                yield builder.event(f"response.{kind}.completed", **common)
+                yield builder.event(f"response.{_kind(call)}.completed", **common)
         else:
             call.status = "failed" if call.error is not None else "completed"
             yield builder.event(f"response.mcp_call.{call.status}", **common)
@@ -150,6 +153,9 @@ class ToolLoop:
             elif isinstance(call, WebSearchCallItem):
                 assert self.session.web is not None
                 await self.session.web.run(call, self._limit_s())
+            elif isinstance(call, FileSearchCallItem):
+                assert self.session.files is not None
+                await self.session.files.run(call, self._limit_s())
             else:
                 await self._mcp_result(call)
         finally:
@@ -172,11 +178,18 @@ class ToolLoop:
                           "message": f"the call took longer than {limit:g} s and was stopped"}
 
 
+def _kind(call: HostedCall) -> str:
+    """The item's type, as the SDK's events name it (``web_search_call``)."""
+    return str(call.__struct_config__.tag)
+
+
 def _key(call: HostedCall) -> tuple[str, str, str]:
     if isinstance(call, CodeInterpreterCallItem):
         return ("code_interpreter", call.container_id, call.code or "")
     if isinstance(call, WebSearchCallItem):
         return ("web_search", "", call.action.query or "")
+    if isinstance(call, FileSearchCallItem):
+        return ("file_search", "", "\n".join(call.queries))
     return (call.server_label, call.name, call.arguments)
 
 
@@ -185,5 +198,8 @@ def _copy_result(earlier: HostedCall, call: HostedCall) -> None:
         call.outputs, call.status = earlier.outputs, earlier.status
     elif isinstance(earlier, WebSearchCallItem) and isinstance(call, WebSearchCallItem):
         call.action.sources, call.results, call.status = earlier.action.sources, earlier.results, earlier.status
+    elif isinstance(earlier, FileSearchCallItem) and isinstance(call, FileSearchCallItem):
+        call.results, call.status = earlier.results, earlier.status
+        keep_read(call, earlier.read() or [])
     elif isinstance(earlier, McpCallItem) and isinstance(call, McpCallItem):
         call.output, call.error = earlier.output, earlier.error

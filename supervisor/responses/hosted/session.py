@@ -5,7 +5,8 @@ this server does not do (approval flows, connectors, a tool that is off)
 or may not reach (the allowlist) with a 400 naming the tool, lists each
 MCP server's tools (or reuses an ``mcp_list_tools`` item the conversation
 already holds), finds the code_interpreter's container
-(:mod:`.code_interpreter`), sets up web_search (:mod:`.web_search`) and returns the request with those tools
+(:mod:`.code_interpreter`), sets up web_search (:mod:`.web_search`) and
+file_search (:mod:`.file_search`) and returns the request with those tools
 offered beside its functions.
 """
 
@@ -34,11 +35,13 @@ from supervisor.generation.tools import (
 )
 from supervisor.responses.hosted.addresses import checked_server_url, url_problem
 from supervisor.responses.hosted.code_interpreter import CodeSession, Containers, open_code, refuse_code
+from supervisor.responses.hosted.file_search import FileSession, KnowledgeRef, open_files
 from supervisor.responses.hosted.mcp_client import McpFailed, McpServer
 from supervisor.responses.hosted.settings import HostedSettings
 from supervisor.responses.hosted.web_search import WebSession, open_web, refuse_web
 from supervisor.responses.items import (
     CodeInterpreterCallItem,
+    FileSearchCallItem,
     Item,
     McpCallItem,
     McpListToolsItem,
@@ -66,7 +69,7 @@ class ServerTools:
 
 
 # The output item of a call the server runs.
-HostedCall = McpCallItem | CodeInterpreterCallItem | WebSearchCallItem
+HostedCall = McpCallItem | CodeInterpreterCallItem | WebSearchCallItem | FileSearchCallItem
 
 
 @dataclass
@@ -80,9 +83,13 @@ class HostedSession:
     pending: list[HostedCall] = field(default_factory=list)
     code: CodeSession | None = None
     web: WebSession | None = None
+    files: FileSession | None = None
+
+    def own_tools(self) -> list[CodeSession | WebSession | FileSession]:
+        return [tool for tool in (self.code, self.web, self.files) if tool is not None]
 
     def owns(self, name: str) -> bool:
-        return name in self.owners or any(tool is not None and name == tool.name for tool in (self.code, self.web))
+        return name in self.owners or any(name == tool.name for tool in self.own_tools())
 
     def call_item(self, call: ToolCall) -> HostedCall:
         """The output item of a call the model made; a complete one waits to run."""
@@ -91,6 +98,8 @@ class HostedSession:
             item = self.code.item(call)
         elif self.web is not None and call.name == self.web.name:
             item = self.web.item(call)
+        elif self.files is not None and call.name == self.files.name:
+            item = self.files.item(call)
         else:
             item = McpCallItem(server_label=self.owners[call.name], name=call.name, arguments=call.arguments,
                                id=new_id("mcp"), status="in_progress" if call.complete else "incomplete")
@@ -105,11 +114,14 @@ class HostedSession:
     def functions(self) -> list[FunctionTool]:
         mcp = [FunctionTool(name=t.name, description=t.description, parameters=_parameters(t.input_schema))
                for s in self.servers.values() for t in s.tools]
-        return [*mcp, *(tool.function() for tool in (self.code, self.web) if tool is not None)]
+        return [*mcp, *(tool.function() for tool in self.own_tools())]
 
     def annotations(self, text: str) -> list[dict[str, Any]]:
-        """The citations of an answer's text (web_search results it cites)."""
-        return self.web.annotations(text) if self.web is not None else []
+        """The citations of an answer's text (the web_search and file_search
+        results it cites), in text order."""
+        found = [*(self.web.annotations(text) if self.web is not None else []),
+                 *(self.files.annotations(text) if self.files is not None else [])]
+        return sorted(found, key=lambda a: int(a.get("start_index", a.get("index", 0))))
 
     def listings(self) -> list[McpListToolsItem]:
         return [s.listed for s in self.servers.values() if s.listed is not None]
@@ -160,12 +172,14 @@ def _refuse(tool: McpTool, i: int, settings: HostedSettings) -> None:
                          param=f"{name}.require_approval")
 
 
-def refuse_early(valid: ValidRequest, settings: HostedSettings, containers: Containers | None = None,
-                 owner: str | None = None) -> None:
+async def refuse_early(valid: ValidRequest, settings: HostedSettings, containers: Containers | None = None,
+                       owner: str | None = None, knowledge: KnowledgeRef | None = None) -> None:
     """The checks of :func:`open_session` that need no network (a background
-    request answers them as a 400 before it is queued)."""
+    request answers them as a 400 before it is queued): file_search's
+    stores are looked up too, in the database."""
     refuse_code(valid.body.tools, containers or Containers(), owner)
     refuse_web(valid.body.tools, settings)
+    await open_files(valid.body.tools, [], knowledge() if knowledge is not None else None, owner)
     for i, tool in mcp_tools(valid):
         _refuse(tool, i, settings)
         problem = url_problem(tool.server_url or "", settings.mcp_allowed_urls)
@@ -192,14 +206,22 @@ async def _list(server: McpServer, index: int) -> list[McpToolInfo]:
 
 
 async def open_session(valid: ValidRequest, history: list[Item], settings: HostedSettings,
-                       containers: Containers | None = None,
-                       owner: str | None = None) -> tuple[ValidRequest, HostedSession]:
+                       containers: Containers | None = None, owner: str | None = None,
+                       knowledge: KnowledgeRef | None = None) -> tuple[ValidRequest, HostedSession]:
     """The request with its hosted tools offered (its MCP servers' tools, the
-    code_interpreter), and the session that runs their calls. ``owner``: the
-    API key asking (None: the admin). Raises BadRequest / McpListFailed."""
+    code_interpreter, web and file search), and the session that runs their
+    calls. ``owner``: the API key asking (None: the admin), whose vector
+    stores file_search may search. Raises BadRequest / McpListFailed."""
     session = HostedSession(settings)
-    session.code = open_code(valid.body.tools, [*history, *valid.items], containers or Containers(), owner)
-    session.web = open_web(valid.body.tools, [*history, *valid.items], settings)
+    conversation = [*history, *valid.items]
+    session.code = open_code(valid.body.tools, conversation, containers or Containers(), owner)
+    session.web = open_web(valid.body.tools, conversation, settings)
+    session.files = await open_files(valid.body.tools, conversation, knowledge() if knowledge else None, owner,
+                                     valid.caller, list(valid.body.include or []))
+    if session.web is not None and session.files is not None:
+        # One numbering over both tools' results: a [n] the model writes names one.
+        session.web.others.append(session.files.results)
+        session.files.others.append(session.web.results)
     entries = mcp_tools(valid)
     labels: set[str] = set()
     for i, tool in entries:
@@ -227,8 +249,8 @@ async def open_session(valid: ValidRequest, history: list[Item], settings: Hoste
 def _with_offer(valid: ValidRequest, session: HostedSession) -> ValidRequest:
     base = offer(valid.body.tools, "auto")
     taken = {fn.name for fn in base.functions}
-    for hosted in (session.code, session.web):
-        if hosted is not None and hosted.name in taken:
+    for hosted in session.own_tools():
+        if hosted.name in taken:
             raise BadRequest(f"a function is named {hosted.name!r}, as the hosted {hosted.name} tool is offered; "
                              "rename it", param="tools")
     for label, server in session.servers.items():
@@ -248,11 +270,13 @@ def _allowed_functions(entry: Any, session: HostedSession) -> list[Any]:
     session runs is its functions (an MCP server's: all, or the one named)."""
     kind = entry.get("type") if isinstance(entry, dict) else None
     name = entry.get("name") if isinstance(entry, dict) else None
-    hosted: CodeSession | WebSession | None = None
+    hosted: CodeSession | WebSession | FileSession | None = None
     if kind == "code_interpreter":
         hosted = session.code
     elif kind in WEB_SEARCH_TYPES:
         hosted = session.web
+    elif kind == "file_search":
+        hosted = session.files
     if hosted is not None:
         return [{"type": "function", "name": hosted.name}]
     if kind == "mcp" and entry.get("server_label") in session.servers:
@@ -272,6 +296,8 @@ def _choice(choice: ToolChoice, session: HostedSession) -> ToolChoice:
         return NamedFunction(session.code.name)
     if isinstance(choice, HostedChoice) and choice.kind in WEB_SEARCH_TYPES and session.web is not None:
         return NamedFunction(session.web.name)
+    if isinstance(choice, HostedChoice) and choice.kind == "file_search" and session.files is not None:
+        return NamedFunction(session.files.name)
     if not isinstance(choice, HostedChoice) or choice.kind != "mcp":
         return choice
     label = choice.server_label

@@ -92,6 +92,8 @@ class WebSession:
     results: dict[int, SearchResult] = field(default_factory=dict)
     # Calls whose arguments hold no query: they fail without a search.
     unusable: set[str] = field(default_factory=set)
+    # Results other tools numbered (file_search's): numbers continue after them.
+    others: list[dict[int, Any]] = field(default_factory=list)
 
     name = WEB_FUNCTION
 
@@ -126,7 +128,7 @@ class WebSession:
         item.status = "completed"
 
     def _numbered(self, hits: list[Hit]) -> list[SearchResult]:
-        first = max(self.results, default=0) + 1
+        first = max((max(d, default=0) for d in (self.results, *self.others)), default=0) + 1
         kept = [SearchResult(n=first + k, url=h.url, title=h.title, snippet=h.snippet)
                 for k, h in enumerate(hits[:self.max_results])]
         self.results.update((r.n, r) for r in kept)
