@@ -112,14 +112,16 @@ class DeviceChoice(msgspec.Struct, kw_only=True):
 
     # How many devices the job holds; the least used are taken.
     gpus: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
-    # Exactly these devices ("cuda:1", "1" or "cpu"); overrides ``gpus``.
+    # Exactly these devices ("cuda:1", "1", "cpu", or a cluster node's "node-b/cuda:0"); overrides ``gpus``.
     gpu_ids: Annotated[list[str], msgspec.Meta(min_length=1, max_length=64)] | None = None
 
     def pick(self, available: Sequence[str]) -> list[str]:
         """The devices to hold from ``available`` (best first); ParamError when
         the machine has too few or the named ones are not there."""
         if self.gpu_ids is not None:
-            named = [i if i == "cpu" or i.startswith("cuda:") else f"cuda:{i}" for i in self.gpu_ids]
+            # A cluster node's device is named whole: "node-b/cuda:0".
+            named = [i if i == "cpu" or i.startswith("cuda:") or "/" in i else f"cuda:{i}"
+                     for i in self.gpu_ids]
             unknown = [n for n in named if n not in available]
             if unknown:
                 raise ParamError(f"gpu_ids: no device {', '.join(unknown)} here; "

@@ -63,6 +63,7 @@ from supervisor.responses.store import RESPONSES_OWNER_SCHEMA
 from supervisor.sandbox.settings import open_pool
 from supervisor.workers.engine_check import EngineCheck
 from supervisor.workers.pool import WorkerPool
+from supervisor.workers.ray_launcher import RayLauncher
 from supervisor.workers.spec import Timing
 
 log = logging.getLogger("gpuvisor.http")
@@ -194,7 +195,9 @@ async def runner_ctx(app: web.Application) -> AsyncIterator[None]:
         state_dir=cfg.state_path, roots=roots, python=sys.executable,
         max_concurrent=cfg.max_concurrent_jobs or None, grace_s={},
         heartbeat_timeout_s=cfg.job_heartbeat_timeout, stop_timeout_s=cfg.job_grace_s,
-        retention_s=cfg.job_retention_days * 86400, extra_env=extra_env))
+        retention_s=cfg.job_retention_days * 86400, extra_env=extra_env),
+        # On a cluster, jobs whose devices are a node's run there.
+        nodes=launcher if isinstance(launcher := app[POOL].launcher, RayLauncher) else None)
     app[JOB_STORE] = runner.store
     app[JOB_RUNNER] = runner
     app[JOB_SETTINGS] = routes_jobs.JobSettings(

@@ -16,6 +16,9 @@ on its own (its name is no test_*.py); run outside that namespace it skips.
   and the model comes back on node-a (a GPU before node-c's RAM), where a
   chat works.
 - A server stopped by SIGTERM exits cleanly and its worker on the node ends.
+- A job booking node-b's GPU runs there, started by node-b's agent with
+  that GPU pinned, while a chat is served on node-a; its events reach
+  /api/jobs/{id}/events, and a cancel stops it there.
 - A measurement (issue 28's benchmark): a 1,000-token stream through a
   worker on node-b against one through a worker on this machine, run by
   run in turn; it prints both rates and their ratio.
@@ -329,6 +332,56 @@ def test_a_stream_through_a_node_against_a_local_worker(cluster: Cluster, tiny_m
         print(f"measured: a 1,000-token stream through a worker on node-b at {node:.0f} tok/s, "
               f"through a worker on this machine at {here:.0f} tok/s: ratio {node / here:.2f} "
               f"(runs: {', '.join(f'{r:.0f}' for r in rates['node'])} / {', '.join(f'{r:.0f}' for r in rates['local'])})")
+
+
+def _job(srv: Server, job_id: str) -> dict[str, Any]:
+    r = httpx.get(f"{srv.base_url}/api/jobs/{job_id}", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def test_a_job_on_node_b_runs_there_while_node_a_serves_and_a_cancel_stops_it(
+        cluster: Cluster, tiny_model_path: Path) -> None:
+    srv = _cluster_server(cluster, tiny_model_path)
+    with running(srv):
+        poll_until(lambda: _gpu(srv), lambda g: {"node-a/cuda:0", "node-b/cuda:0"} <= set(g), timeout=60)
+        r = httpx.post(srv.base_url + "/api/jobs", timeout=30, json={
+            "kind": "sleep", "params": {"steps": 4000, "step_seconds": 0.05, "gpu_ids": ["node-b/cuda:0"]}})
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        running_job = poll_until(lambda: _job(srv, job_id), lambda j: j["status"] == "running" and j["progress"] > 0,
+                                 timeout=90, interval=0.2)
+        pid = int(running_job["pid"])
+        # Started by node-b's agent, with node-b's GPU 0 pinned, its own group.
+        agent = _agent_of(pid)
+        assert f"job process {job_id}.log started on node node-b (pid {pid}, agent pid {agent.pid})" in srv.log_text()
+        assert psutil.Process(pid).environ()["CUDA_VISIBLE_DEVICES"] == "0" and os.getpgid(pid) == pid
+        assert _gpu(srv)["node-b/cuda:0"]["holder"]["job_id"] == job_id
+        # The model goes where no job holds the GPU, and serves while the job runs.
+        r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+        assert srv.worker()["devices"] == ["node-a/cuda:0"]
+        assert _job(srv, job_id)["status"] == "running"
+        r = httpx.post(f"{srv.base_url}/api/jobs/{job_id}/cancel", timeout=30)
+        assert r.status_code == 200, r.text
+        done = poll_until(lambda: _job(srv, job_id), lambda j: j["status"] != "running", timeout=60, interval=0.2)
+        assert done["status"] == "cancelled", done
+        poll_until(lambda: _running(pid), lambda alive: not alive, timeout=ORPHAN_BOUND_S, interval=0.2)
+        # Its events came back to this server's store: replayed from the start, the end last.
+        kinds: list[str] = []
+        with httpx.stream("GET", f"{srv.base_url}/api/jobs/{job_id}/events", timeout=60) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("event: "):
+                    kinds.append(line[7:])
+        assert kinds[0] == "started" and kinds[-1] == "end", kinds
+        assert kinds.count("progress") >= 1
+        assert _gpu(srv)["node-b/cuda:0"]["holder"] is None
+        r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "again"}]})
+        assert r.status_code == 200, r.text
 
 
 def test_a_node_lost_mid_stream_ends_the_stream_and_the_model_comes_back_on_another_node(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -51,6 +51,8 @@ class ActiveJob:
     stop_reason: StopReason | None = None
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
     pgid: int | None = None
+    # A job on a cluster node: signals its group there (None: ``pgid`` is a local group).
+    send: Callable[[int], None] | None = None
     # Stop with SIGUSR1 (save a checkpoint first) rather than SIGTERM.
     save: bool = False
     terminal: Done | Failed | None = None

@@ -25,8 +25,11 @@ start: supervisor/lab/lease_devices.py (its names stay importable from here).
 With a Ray cluster configured, the devices of its nodes join the lease as
 node/GPU pairs (``node-a/cuda:0``) while the node is alive
 (:meth:`GpuLease.set_node`), and leave with it (:meth:`GpuLease.drop_node`).
-Model workers run there; jobs still run on this machine, on its own devices:
-a job asking for a node's device is refused, with the reason.
+Model workers run there. Jobs run there once the runner can start them on
+a node (:attr:`GpuLease.jobs_on_nodes`, set by a runner given the cluster):
+a job holds devices of one machine only, this one's or one node's
+(:meth:`GpuLease.on_one_machine` places a count); without it, a job asking
+for a node's device is refused, with the reason.
 """
 
 from __future__ import annotations
@@ -114,6 +117,8 @@ class GpuLease:
         self._node_readings: dict[str, tuple[GpuReading, ...]] = {}
         # Free and total RAM of the nodes without a GPU (their one device: node/cpu).
         self._node_ram: dict[str, tuple[int, int]] = {}
+        # Whether jobs may hold a node's devices (a runner that starts jobs there says so).
+        self.jobs_on_nodes = False
 
     # ------------------------------------------------------------ devices
 
@@ -140,6 +145,23 @@ class GpuLease:
         workers = self.workers_on()
         return sorted(self._devices, key=lambda d: (bool(self._devices[d].node), d in wanted,
                                                     len(workers[d]), order[d]))
+
+    def on_one_machine(self, picked: Sequence[str]) -> list[str]:
+        """A job's devices taken by count, all on one machine: ``picked`` when
+        they are; else as many from the first machine (this one, then the
+        nodes) that has that many, in :meth:`preferred` order. ValueError
+        when none has."""
+        places = {self._devices[d].node for d in picked if d in self._devices}
+        if len(places) <= 1:
+            return list(picked)
+        by_place: dict[str, list[str]] = {}
+        for d in self.preferred():
+            by_place.setdefault(self._devices[d].node, []).append(d)
+        for devices in by_place.values():
+            if len(devices) >= len(picked):
+                return devices[: len(picked)]
+        raise ValueError(f"no machine has {len(picked)} devices; a job runs on one machine "
+                         f"(this one has {len(by_place.get('', []))})")
 
     def gpu_indices(self, device_ids: Sequence[str]) -> list[int]:
         """The GPU indices of these devices (none for ``cpu``)."""
@@ -217,10 +239,14 @@ class GpuLease:
         if unknown or not devices:
             raise ValueError(f"unknown devices {unknown or devices!r}; known: {self.devices}")
         on_nodes = [d for d in devices if device_node(d)]
-        if on_nodes:
-            # Jobs run on this machine: a node's GPU is not one it can use.
+        if on_nodes and not self.jobs_on_nodes:
+            # No runner here starts jobs on nodes: a node's GPU is not one it can use.
             raise ValueError(f"jobs run on this machine only; {', '.join(on_nodes)} "
                              f"{'is' if len(on_nodes) == 1 else 'are'} on a cluster node")
+        places = sorted({device_node(d) or "this machine" for d in devices})
+        if len(places) > 1:
+            # One process group on one machine: its devices are that machine's.
+            raise ValueError(f"a job runs on one machine; its devices are on {', '.join(places)}")
         now = self._clock()
         req = _Request(
             job_id,
@@ -346,7 +372,8 @@ class GpuLease:
 
     async def _measure(self, req: _Request) -> tuple[GpuReading, ...]:
         """The job's GPUs once the evicted workers' memory is back."""
-        indices = set(self.gpu_indices(req.devices))
+        # The settler reads this machine's GPUs: a node's have an index of their own.
+        indices = set(self.gpu_indices([d for d in req.devices if d in self._devices and not self._devices[d].node]))
         if self.settler is None or not indices:
             return ()
         try:

@@ -13,6 +13,13 @@ work: cancel with save, and shutdown; they write a checkpoint, then stop.
 Resuming re-queues the same job (same id, events and output dir) as a new
 attempt. The runner owns every task it starts: the scheduler, the pruner and
 one task per job.
+
+With a cluster (``nodes``), a job whose devices are a cluster node's runs
+on that node through its agent (lab/node_exec.py), signalled there
+(``ActiveJob.send``); a node lost mid-job makes it ``interrupted``. A job
+asking for a count that no single machine gives first goes whole to one
+node that has it (:meth:`GpuLease.on_one_machine`). Without ``nodes``,
+nothing of this runs.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from supervisor.lab.job_process import (
 )
 from supervisor.lab.lease import GpuLease
 from supervisor.lab.leftovers import remove_job_temps
+from supervisor.lab.node_exec import NodeJobExecution, NodeSpawnFailed, job_node
+from supervisor.lab.node_jobs import JobNodes, NodeJobLost
 from supervisor.lab.outcome import Outcome, outcome_of, record, record_later
 from supervisor.lab.store import (
     WAITING_STAGE,
@@ -58,10 +67,19 @@ def _stored_spec(kind: str) -> KindSpec:
         raise param_error(exc) from exc
 
 
+def _send(active: ActiveJob, sig: int) -> None:
+    """Signal the job's group: through its node's agent, or here."""
+    if active.send is not None:
+        active.send(sig)
+    elif active.pgid is not None:
+        signal_group(active.pgid, sig)
+
+
 class JobRunner:
     """Runs queued jobs; ``start()`` / ``stop()`` own all of its tasks."""
 
-    def __init__(self, store: JobStore, lease: GpuLease, settings: RunnerSettings) -> None:
+    def __init__(self, store: JobStore, lease: GpuLease, settings: RunnerSettings,
+                 nodes: JobNodes | None = None) -> None:
         self.store = store
         self.lease = lease
         self.settings = settings
@@ -74,6 +92,12 @@ class JobRunner:
         self._stopping = False
         self._stopped: asyncio.Future[None] | None = None
         self._exec = JobExecution(store, lease, settings, self._request_stop, self._signal_stop)
+        # With a cluster: jobs whose devices are a node's run there (lab/node_exec.py).
+        self._node_exec: NodeJobExecution | None = None
+        if nodes is not None:
+            self._node_exec = NodeJobExecution(nodes, store, lease, settings, self._request_stop,
+                                               self._signal_stop)
+            lease.jobs_on_nodes = True
 
     # ------------------------------------------------------------ lifecycle
 
@@ -231,7 +255,7 @@ class JobRunner:
             log.warning("job %s: killed without waiting for its grace", a.job.id)
             if a.killer is not None:
                 a.killer.cancel()
-            a.killer = asyncio.create_task(self._kill_after(a.pgid, 0.0))
+            a.killer = asyncio.create_task(self._kill_after(a, 0.0))
 
     # ------------------------------------------------------------ one job
 
@@ -246,7 +270,7 @@ class JobRunner:
             active.stop_reason = reason
         if save and not active.save and active.killer is not None and active.pgid is not None:
             # Already asked to stop without saving: ask again, with saving.
-            signal_group(active.pgid, signal.SIGUSR1)
+            _send(active, signal.SIGUSR1)
         active.save = active.save or save
         if grace is not None:
             active.grace = min(active.grace, grace) if active.grace is not None else grace
@@ -257,23 +281,27 @@ class JobRunner:
         if active.pgid is None:
             return
         if force:
-            signal_group(active.pgid, signal.SIGKILL)
+            _send(active, signal.SIGKILL)
             return
         if active.killer is not None:
             return
-        signal_group(active.pgid, signal.SIGUSR1 if active.save else signal.SIGTERM)
+        _send(active, signal.SIGUSR1 if active.save else signal.SIGTERM)
         grace = self._grace(active.job.kind)
         delay = grace if active.grace is None else min(grace, active.grace)
-        active.killer = asyncio.create_task(self._kill_after(active.pgid, delay))
+        active.killer = asyncio.create_task(self._kill_after(active, delay))
 
     @staticmethod
-    async def _kill_after(pgid: int, delay: float) -> None:
+    async def _kill_after(active: ActiveJob, delay: float) -> None:
         await asyncio.sleep(delay)
-        signal_group(pgid, signal.SIGKILL)
+        _send(active, signal.SIGKILL)
 
     async def _run(self, active: ActiveJob) -> None:
         try:
             await self._run_job(active)
+        except NodeJobLost as exc:
+            # Its process ended with its node's agent; like a restart, it is not re-run.
+            log.warning("job %s: %s", active.job.id, exc)
+            await self._finish(active, "interrupted", error=str(exc))
         except StorageFull as exc:
             # An expected event: the job was killed (its progress could not be
             # kept); the outcome is recorded once the disk has room again.
@@ -293,7 +321,10 @@ class JobRunner:
         try:
             # A count of devices takes the least used first; named ones are checked.
             devices = params.devices(self.lease.preferred())
-        except ParamError as exc:
+            if self._node_exec is not None and getattr(params, "gpu_ids", None) is None:
+                # A count the first machines could not give on one: a node that has them.
+                devices = self.lease.on_one_machine(devices)
+        except (ParamError, ValueError) as exc:
             await self._finish(active, "failed", error=f"could not get the device: {exc}")
             return
         if devices and not await self._acquire(active, devices):
@@ -344,8 +375,11 @@ class JobRunner:
     async def _execute(self, active: ActiveJob, devices: list[str]) -> None:
         log_path = self.settings.logs_dir / f"{active.job.id}.log"
         try:
-            rc = await self._exec.run(active, devices, log_path)
-        except SpawnFailed as exc:
+            if self._node_exec is not None and job_node(devices):
+                rc = await self._node_exec.run(active, devices, log_path)
+            else:
+                rc = await self._exec.run(active, devices, log_path)
+        except (SpawnFailed, NodeSpawnFailed) as exc:
             await self._finish(active, "failed", error=f"could not start the job process: {exc}")
             return
         await self._conclude(active, rc, log_path)

@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from supervisor.lab.job_process import child_environ
+from supervisor.lab.job_process import child_environ, kill_group, signal_group
 from supervisor.models.devices import SmiSource
 from supervisor.workers.crash import log_size, read_log_tail
 from supervisor.workers.launcher import _open_log, _rss, kill_group_leftovers
@@ -49,6 +49,19 @@ class _Child:
     engine_socket: Path
 
 
+@dataclass
+class _Job:
+    proc: asyncio.subprocess.Process
+    log_path: Path
+    log_start: int
+
+
+# The most of a job's stdout one read_job answer carries.
+JOB_READ_BYTES = 1 << 16
+# Jobs one agent runs at once (a parent runs one per device at most).
+MAX_JOBS = 64
+
+
 class UnknownWorker(LookupError):
     """A pid this agent did not start (or already cleaned up)."""
 
@@ -65,6 +78,7 @@ class NodeAgent:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._children: dict[int, _Child] = {}
+        self._jobs: dict[int, _Job] = {}
 
     async def where(self) -> dict[str, str | int]:
         """This agent's process and its node-local directories."""
@@ -133,6 +147,74 @@ class NodeAgent:
             return
         kill_group_leftovers(pid)
         child.engine_socket.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------ jobs
+
+    async def start_job(self, argv: list[str], extra_env: dict[str, str], stdin_line: bytes,
+                        log_name: str) -> int:
+        """Start ``python <argv>`` (``-m jobs <kind>``) with this node's
+        interpreter in its own session; its pid (its group's id). The params
+        line goes on its stdin, which stays open."""
+        if len(self._jobs) >= MAX_JOBS:
+            raise RuntimeError(f"this node agent runs {MAX_JOBS} jobs already")
+        if Path(log_name).name != log_name or not log_name:
+            raise ValueError(f"a log name, not a path: {log_name!r}")
+        env = child_environ(os.environ)  # an allowlist: no token of this node reaches a job
+        env.update(extra_env)
+        log_path = self.log_dir / log_name
+        log_start = log_size(log_path)
+        with _open_log(log_path) as logfile:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=logfile, start_new_session=True, env=env)
+        assert proc.stdin is not None
+        self._jobs[proc.pid] = _Job(proc, log_path, log_start)
+        try:
+            proc.stdin.write(stdin_line)
+            await proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it exited at once: its exit status tells why
+        return proc.pid
+
+    async def read_job(self, pid: int, wait_s: float) -> tuple[bytes, int | None]:
+        """What the job wrote on stdout since the last read, waiting up to
+        ``wait_s`` for some; at its end ``b""`` and its exit status."""
+        job = self._job(pid)
+        assert job.proc.stdout is not None
+        try:
+            # A read cancelled by the timeout consumes nothing.
+            data = await asyncio.wait_for(job.proc.stdout.read(JOB_READ_BYTES), wait_s)
+        except TimeoutError:
+            return b"", None
+        if data:
+            return data, None
+        return b"", await job.proc.wait()
+
+    async def signal_job(self, pid: int, sig: int) -> bool:
+        """Signal the job's whole group; False when the group is gone."""
+        self._job(pid)
+        return signal_group(pid, sig)
+
+    async def job_log_tail(self, pid: int) -> str:
+        job = self._job(pid)
+        return read_log_tail(job.log_path, job.log_start)
+
+    async def cleanup_job(self, pid: int) -> None:
+        """After its end: kill what is left of its group, close its stdin, forget it."""
+        job = self._jobs.pop(pid, None)
+        if job is None:
+            return
+        await kill_group(pid)
+        if job.proc.returncode is None:
+            await job.proc.wait()
+        if job.proc.stdin is not None:
+            job.proc.stdin.close()
+
+    def _job(self, pid: int) -> _Job:
+        try:
+            return self._jobs[pid]
+        except KeyError:
+            raise UnknownWorker(f"no job with pid {pid} on this node") from None
 
     def _child(self, pid: int) -> _Child:
         try:

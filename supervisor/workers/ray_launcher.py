@@ -22,6 +22,12 @@ A node's name is its ``gpuvisor-node`` label (``ray start --labels
 gpuvisor-node=node-a``), else its host name; a name another alive node has
 already gets the start of the node's id after it. A node keeps its name
 while it is alive.
+
+Jobs run there too (:meth:`RayLauncher.start_job`, for the job runner's
+supervisor/lab/node_exec.py): the node's agent starts ``python -m jobs``
+and the parent polls it for the job's stdout (:class:`RayNodeJob`). An
+agent that no longer answers (its node gone) is a lost job:
+:class:`~supervisor.lab.node_jobs.NodeJobLost`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor.lab.node_jobs import NodeJobLost
 from supervisor.models.gpu_reading import device_node
 from supervisor.workers.crash import worker_log_path
 from supervisor.workers.launcher import Launcher, worker_argv, worker_environ
@@ -127,6 +134,18 @@ class RayLauncher:
         log.info("worker %s started on node %s (%s; pid %d, agent pid %d)", spec.model_id, agent.node_id[:12],
                  self._names.get(agent.node_id, "?"), pid, agent.pid)
         return RayProcess(agent, pid, self._ray, lambda: self._forget(agent))
+
+    async def start_job(self, node: str, argv: list[str], env: dict[str, str], stdin_line: bytes,
+                        log_name: str) -> RayNodeJob:
+        """Start a job process on the node of this name through its agent."""
+        agent = await self._agent_on(await self._node_id(node))
+        try:
+            pid: int = await _bounded(agent.actor.start_job.remote(argv, env, stdin_line, log_name))
+        except ClusterError:
+            self._forget(agent)
+            raise
+        log.info("job process %s started on node %s (pid %d, agent pid %d)", log_name, node, pid, agent.pid)
+        return RayNodeJob(agent, node, pid, self._ray, lambda: self._forget(agent))
 
     def _forget(self, agent: _Agent) -> None:
         """A lost agent: the next start on its node makes a new one."""
@@ -309,6 +328,51 @@ class RayProcess:
             self._rss = 0
             self._returncode = code
             self._exited.set()
+
+
+class RayNodeJob:
+    """A job process on a cluster node, tended by that node's agent."""
+
+    def __init__(self, agent: _Agent, node: str, pid: int, ray: Any, on_agent_lost: Callable[[], None]) -> None:
+        self._agent = agent
+        self._node = node
+        self._pid = pid
+        self._ray = ray
+        self._on_agent_lost = on_agent_lost
+        self._lost = False
+        self._reaped = False
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    async def read(self, wait_s: float) -> tuple[bytes, int | None]:
+        try:
+            got: tuple[bytes, int | None] = await _bounded(self._agent.actor.read_job.remote(self._pid, wait_s),
+                                                           wait_s + AGENT_CALL_TIMEOUT)
+        except ClusterError as exc:
+            if isinstance(exc.__cause__, self._ray.exceptions.RayTaskError):
+                raise  # the agent answered with its own failure: not a lost node
+            self._lost = True
+            self._on_agent_lost()
+            raise NodeJobLost(f"node {self._node} was lost while the job ran ({exc})") from exc
+        return got
+
+    def signal(self, sig: int) -> None:
+        if not (self._lost or self._reaped):
+            # Fire and forget: the job's end comes back through read().
+            self._agent.actor.signal_job.remote(self._pid, sig)
+
+    async def log_tail(self) -> str:
+        if self._lost:
+            return ""
+        tail: str = await _bounded(self._agent.actor.job_log_tail.remote(self._pid))
+        return tail
+
+    async def cleanup(self) -> None:
+        self._reaped = True  # its pid may be another process's there from now on
+        if not self._lost:
+            await _bounded(self._agent.actor.cleanup_job.remote(self._pid))
 
 
 def _in_daemon_thread(call: Callable[[], Any]) -> asyncio.Future[Any]:

@@ -1,0 +1,224 @@
+"""Jobs on a cluster node, without Ray: the runner given a node's agent.
+
+``AgentNodes`` answers the runner's JobNodes with a real NodeAgent in this
+process (the part that runs on a node), so the job process is real and
+started by the agent's code; the Ray transport between them is the
+real-cluster test's (tests/ray_cluster_inner.py). A node lost is the
+agent's end as the node sees it: the job's stdin closes, and the agent no
+longer answers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+from jobs.context import EXIT_STOPPED
+from jobs.params import SleepParams
+from supervisor.lab.job_process import group_alive
+from supervisor.lab.lease import GpuLease, cpu_device
+from supervisor.lab.node_exec import job_node, node_job_environ
+from supervisor.lab.node_jobs import NodeJobLost
+from supervisor.lab.runner import JobRunner, RunnerSettings
+from supervisor.models.devices import GpuReading
+from supervisor.workers.node_agent import NodeAgent
+from tests.jobsupport import make_roots, open_store, wait_finished, wait_for
+from tests.server import short_tempdir
+
+GIB = 1 << 30
+
+
+def _reading(node: str, index: int) -> GpuReading:
+    return GpuReading(index=index, uuid=f"GPU-{node}-{index}", name="Sim", free_bytes=20 * GIB,
+                      total_bytes=24 * GIB, node=node)
+
+
+@dataclass
+class AgentJob:
+    agent: NodeAgent
+    node: str
+    pid: int
+    lost: bool = False
+
+    async def read(self, wait_s: float) -> tuple[bytes, int | None]:
+        got = await self.agent.read_job(self.pid, wait_s)
+        if self.lost:
+            # A gone agent's answers never arrive, even one asked for before.
+            raise NodeJobLost(f"node {self.node} was lost while the job ran (its agent is gone)")
+        return got
+
+    def signal(self, sig: int) -> None:
+        if not self.lost:
+            self.agent._job(self.pid)  # a pid it no longer tends is never signalled
+            os.killpg(self.pid, sig)
+
+    async def log_tail(self) -> str:
+        return await self.agent.job_log_tail(self.pid)
+
+    async def cleanup(self) -> None:
+        await self.agent.cleanup_job(self.pid)
+
+
+@dataclass
+class AgentNodes:
+    agents: dict[str, NodeAgent]
+    started: list[AgentJob] = field(default_factory=list)
+
+    async def start_job(self, node: str, argv: list[str], env: dict[str, str], stdin_line: bytes,
+                        log_name: str) -> AgentJob:
+        agent = self.agents.get(node)
+        if agent is None:
+            raise OSError(f"node {node} is not in the cluster")
+        job = AgentJob(agent, node, await agent.start_job(argv, env, stdin_line, log_name))
+        self.started.append(job)
+        return job
+
+    def lose(self, job: AgentJob) -> None:
+        """The agent's process ends: its end of the job's stdin closes."""
+        stdin = job.agent._jobs[job.pid].proc.stdin
+        assert stdin is not None
+        stdin.close()
+        job.lost = True
+
+
+@dataclass
+class ClusterLab:
+    runner: JobRunner
+    lease: GpuLease
+    nodes: AgentNodes
+    agent_dir: Path
+
+
+@asynccontextmanager
+async def cluster_lab(base: Path, **settings: object) -> AsyncIterator[ClusterLab]:
+    roots = make_roots(base)
+    opts: dict[str, object] = {"heartbeat_timeout_s": 30.0, "keepalive_s": 0.5, "stop_timeout_s": 3.0}
+    opts.update(settings)
+    cfg = RunnerSettings(state_dir=base / "state", roots=roots, **opts)  # type: ignore[arg-type]
+    agent_dir = short_tempdir("gvj")
+    nodes = AgentNodes({"node-b": NodeAgent(str(agent_dir))})
+    async with open_store(base / "state" / "gpuvisor.db") as store:
+        lease = GpuLease([cpu_device()])
+        lease.set_node("node-b", [_reading("node-b", 0), _reading("node-b", 1)])
+        runner = JobRunner(store, lease, cfg, nodes=nodes)
+        await runner.start()
+        try:
+            yield ClusterLab(runner, lease, nodes, agent_dir)
+        finally:
+            await runner.stop()
+
+
+async def test_a_job_booking_a_nodes_gpu_runs_there_and_its_events_come_back(tmp_path: Path) -> None:
+    async with cluster_lab(tmp_path) as lab:
+        job, _ = await lab.runner.submit("sleep", SleepParams(steps=3, step_seconds=0.01,
+                                                              gpu_ids=["node-b/cuda:1"]))
+        done = await wait_finished(lab.runner.store, job.id)
+        assert done.status == "succeeded", done.error
+        assert done.result == {"steps": 3, "events": 3} and done.progress == 1.0 and done.exit_code == 0
+        (started,) = lab.nodes.started
+        assert started.node == "node-b" and done.pid == started.pid
+        types = [e.type for e in await lab.runner.store.events_after(job.id, 0)]
+        assert types.count("progress") == 3 and types[-2:] == ["done", "status"]
+        assert not group_alive(started.pid)
+        assert lab.lease.worker_admission("node-b/cuda:1") is None  # released at its end
+        # The agent forgot it (reaped), and its log stays on the node.
+        assert not lab.nodes.agents["node-b"]._jobs
+        assert (lab.agent_dir / "logs" / f"{job.id}.log").exists()
+
+
+async def test_a_job_on_a_node_sees_its_gpu_there_and_stops_on_cancel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_parent_secret")
+    async with cluster_lab(tmp_path) as lab:
+        job, _ = await lab.runner.submit("sleep", SleepParams(steps=400, step_seconds=0.05,
+                                                              gpu_ids=["node-b/cuda:1"]))
+        running = await wait_for(lab.runner.store, job.id, lambda j: j.progress > 0)
+        (started,) = lab.nodes.started
+        env = psutil.Process(started.pid).environ()
+        # That node's GPU 1, pinned as a local job's would be; no token for a kind that does not download.
+        assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        assert "HF_TOKEN" not in env
+        assert os.getpgid(started.pid) == started.pid  # its own group, signalled whole
+        # Held while it runs: inference there is refused; boot recovery has no local process to kill.
+        assert lab.lease.worker_admission("node-b/cuda:1") is not None
+        assert lab.lease.worker_admission("node-b/cuda:0") is None
+        assert running.proc_create_time is None
+        await lab.runner.cancel(job.id)
+        done = await wait_finished(lab.runner.store, job.id)
+        assert done.status == "cancelled" and done.exit_code == EXIT_STOPPED
+        assert not group_alive(started.pid)
+        assert lab.lease.worker_admission("node-b/cuda:1") is None
+
+
+async def test_a_node_lost_mid_job_makes_it_interrupted_and_its_process_ends(tmp_path: Path) -> None:
+    async with cluster_lab(tmp_path) as lab:
+        job, _ = await lab.runner.submit("sleep", SleepParams(steps=400, step_seconds=0.05,
+                                                              gpu_ids=["node-b/cuda:0"]))
+        await wait_for(lab.runner.store, job.id, lambda j: j.progress > 0)
+        (started,) = lab.nodes.started
+        lab.nodes.lose(started)
+        done = await wait_finished(lab.runner.store, job.id)
+        assert done.status == "interrupted", done.error
+        assert done.error is not None and "node node-b was lost" in done.error
+        # Its stdin closed with the agent: the job process ends on its node.
+        proc = lab.nodes.agents["node-b"]._jobs[started.pid].proc
+        assert await proc.wait() is not None
+        assert lab.lease.worker_admission("node-b/cuda:0") is None
+
+
+async def test_local_jobs_stay_local_and_a_count_goes_to_one_machine(tmp_path: Path) -> None:
+    async with cluster_lab(tmp_path) as lab:
+        # One device asked: this machine's (jobs keep running here first).
+        job, _ = await lab.runner.submit("sleep", SleepParams(steps=1, step_seconds=0.01))
+        done = await wait_finished(lab.runner.store, job.id)
+        assert done.status == "succeeded" and lab.nodes.started == []
+        assert done.proc_create_time is not None  # a local process: recovery may kill it
+        # Two asked: this machine has one, node-b two: the job goes there whole.
+        two, _ = await lab.runner.submit("sleep", SleepParams(steps=1, step_seconds=0.01, gpus=2))
+        done = await wait_finished(lab.runner.store, two.id)
+        assert done.status == "succeeded", done.error
+        (started,) = lab.nodes.started
+        assert started.node == "node-b"
+        # Three: no machine has them.
+        three, _ = await lab.runner.submit("sleep", SleepParams(steps=1, gpus=3))
+        done = await wait_finished(lab.runner.store, three.id)
+        assert done.status == "failed" and done.error is not None
+        assert "no machine has 3 devices" in done.error
+
+
+async def test_the_lease_books_one_machines_devices_for_a_job() -> None:
+    lease = GpuLease([cpu_device()])
+    lease.set_node("node-b", [_reading("node-b", 0)])
+    with pytest.raises(ValueError, match="jobs run on this machine only"):
+        await lease.acquire_job("j1", "sleep", ["node-b/cuda:0"], 0)
+    lease.jobs_on_nodes = True
+    with pytest.raises(ValueError, match="a job runs on one machine; its devices are on node-b, this machine"):
+        await lease.acquire_job("j2", "sleep", ["cpu", "node-b/cuda:0"], 0)
+    await lease.acquire_job("j3", "sleep", ["node-b/cuda:0"], 0)
+    assert lease.holds("j3") and lease.worker_admission("node-b/cuda:0") is not None
+    assert lease.worker_admission("cpu") is None
+    lease.release_job("j3")
+    assert lease.on_one_machine(["cpu"]) == ["cpu"]
+    with pytest.raises(ValueError, match="no machine has 2 devices"):
+        lease.on_one_machine(["cpu", "node-b/cuda:0"])
+    lease.set_node("node-b", [_reading("node-b", 0), _reading("node-b", 1)])
+    assert lease.on_one_machine(["cpu", "node-b/cuda:0"]) == ["node-b/cuda:0", "node-b/cuda:1"]
+
+
+def test_a_jobs_environment_for_its_node() -> None:
+    parent = {"HF_TOKEN": "hf_x", "PATH": "/p", "GPUVISOR_ADMIN_TOKEN": "adm"}
+    # Pinned GPUs and the extra settings; the node's own allowlist supplies PATH and the rest.
+    env = node_job_environ("finetune", [1, 2], {"HF_HUB_CACHE": "/shared/hub"}, parent)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,2" and env["HIP_VISIBLE_DEVICES"] == "0,1"
+    assert env["HF_HUB_CACHE"] == "/shared/hub"
+    assert "HF_TOKEN" not in env and "PATH" not in env and "GPUVISOR_ADMIN_TOKEN" not in env
+    assert node_job_environ("download", [], {}, parent) == {"HF_TOKEN": "hf_x"}
+    assert job_node(["node-b/cuda:0", "node-b/cuda:1"]) == "node-b" and job_node(["cpu"]) == ""
+    with pytest.raises(ValueError, match="one machine"):
+        job_node(["node-a/cuda:0", "node-b/cuda:0"])
