@@ -1,17 +1,19 @@
 """The chat's hosted tools in headless Chromium, driven as a person would,
-against a real gpuvisor whose code_interpreter is enabled (its sandbox
-works here) and whose other hosted tools are off.
+against a real gpuvisor whose code_interpreter (its sandbox works here),
+web_search (a local stand-in for SearXNG) and mcp (a local MCP server made
+with the official SDK) are enabled, and whose file_search is off.
 
-The settings offer Code interpreter; web search, MCP and file search are
-shown off, disabled, with the setting that turns each on as the tooltip. A
-person switches the code interpreter on, asks the model to call a tool
-(the tiny model never would by itself) and sends a message: the answer
-shows the call with the code the model wrote, the logs the sandbox
-printed and how long the call took, the same code and logs the stored
-response holds. A saved conversation shows the call again.
+The settings offer those three; file search is shown off, disabled, with
+the setting that turns it on as the tooltip. A person switches one tool on,
+asks the model to call a tool (the tiny model never would by itself) and
+sends a message: the answer shows the call with what the model asked (the
+code, the query, the MCP tool and its arguments), what came back (the
+sandbox's logs, the search's sources, the server's tools and output) and
+how long it took, as the stored response holds them. A saved conversation
+shows the call again.
 
-The tiny model's weights are random: about half its forced calls leave the
-code string open at the token limit and never run (tests/test_hosted_code.py
+The tiny model's weights are random: about half its forced calls leave a
+string open at the token limit and never run (tests/test_hosted_code.py
 measured it), so the person starts a new chat and sends again, a bounded
 number of times, until a call ran.
 """
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,16 +36,38 @@ from supervisor.models.demo import write_tiny_gguf
 from tests.browser import screens_fixture as screens  # noqa: F401 (a fixture)
 from tests.browser import new_page, shoot
 from tests.sandbox_support import find_python
-from tests.server import Server, running, short_tempdir
+from tests.searxng_fake import RESULTS, FakeSearxng
+from tests.server import REPO, Server, running, short_tempdir
 
 pytestmark = pytest.mark.timeout(300)
 N_CTX = 8192
 TRIES = 12
-SECONDS = re.compile(r"^(\d+\.\d+) s$")
+TIME = re.compile(r"^(\d+) ms$|^(\d+\.\d+) s$")
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
+def search() -> Iterator[FakeSearxng]:
+    fake = FakeSearxng().start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture(scope="module")
+def mcp_url() -> Iterator[str]:
+    proc = subprocess.Popen([sys.executable, "-m", "tests.mcp_server"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("port "), line
+        yield f"http://127.0.0.1:{int(line.split()[1])}/mcp"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(search: FakeSearxng, mcp_url: str) -> Iterator[Server]:
     # In a thread of its own: the sandbox probe runs an event loop, and
     # Playwright's is already running in this one.
     with ThreadPoolExecutor(1) as pool:
@@ -52,7 +78,10 @@ def server() -> Iterator[Server]:
     write_tiny_gguf(models / "tiny.gguf", n_ctx=N_CTX)
     env = {"GPUVISOR_N_CTX": str(N_CTX), "GPUVISOR_CODE_INTERPRETER": "true",
            "GPUVISOR_CODE_INTERPRETER_PYTHON": python, "GPUVISOR_HOSTED_MAX_ITERATIONS": "2",
-           "GPUVISOR_CODE_INTERPRETER_MAX_CONTAINERS": "100"}
+           "GPUVISOR_CODE_INTERPRETER_MAX_CONTAINERS": "100", "GPUVISOR_WEB_SEARCH_SEARXNG_URL": search.url,
+           "GPUVISOR_MCP_ALLOWED_URLS": mcp_url,
+           # The MCP server's hang tool, should the model pick it, ends within this.
+           "GPUVISOR_HOSTED_CALL_TIMEOUT_S": "10"}
     with running(Server(models, env=env, model="tiny")) as srv:
         yield srv
 
@@ -77,77 +106,150 @@ def finished(pg: Any) -> None:
                          "?.getAttribute('aria-busy') === 'false'", timeout=180_000)
 
 
-def stored_call(srv: Server, response_id: str) -> dict[str, Any]:
+def stored(srv: Server, pg: Any, kind: str) -> dict[str, Any]:
+    """The first call of ``kind`` that ran in the page's last stored response."""
+    response_id = pg.locator(".mode-note .response-id").get_attribute("data-response-id")
     body = httpx.get(f"{srv.base_url}/v1/responses/{response_id}", timeout=30).json()
-    return next(o for o in body["output"] if o["type"] == "code_interpreter_call" and o["status"] == "completed")
+    return next(o for o in body["output"] if o["type"] == kind and o.get("status") != "incomplete")
 
 
-def test_tools_that_are_off_are_not_offered(page: tuple[Any, Any], server: Server) -> None:
+def send_until(pg: Any, kind: str, ran: tuple[str, ...]) -> tuple[Any, list[dict[str, Any]]]:
+    """Send with "Make the model call a tool" on, in a new chat each time,
+    until the answer shows an item of type ``kind`` whose status is one of
+    ``ran``: that call's view, and the request bodies sent."""
+    sent: list[dict[str, Any]] = []
+    pg.on("request", lambda r: sent.append(json.loads(r.post_data))
+          if r.method == "POST" and r.url.endswith("/v1/responses") else None)
+    pg.locator("#chat-max-tokens").fill("1500")
+    pg.locator("#chat-require-tool").check()
+    for attempt in range(TRIES):
+        if attempt:
+            pg.get_by_role("button", name="New chat").click()
+        pg.locator("#chat-input").fill("Find out")
+        pg.get_by_role("button", name="Send").click()
+        finished(pg)
+        calls = pg.locator(".msg.assistant").last.locator(f".hosted-call[data-type={kind}]")
+        calls.first.wait_for()
+        for i in range(calls.count()):
+            if calls.nth(i).get_attribute("data-status") in ran:
+                return calls.nth(i), sent
+    raise AssertionError(f"no forced {kind} call ran in {TRIES} tries")
+
+
+def took(call: Any, least_s: float = 0.0) -> str:
+    """The time a call shows: from its in_progress event to its completed or
+    failed one, in ms under a second. Coarse bounds: more than ``least_s``
+    where the run must take a moment, never minutes."""
+    shown: str = call.locator(".call-time").inner_text()
+    parts = TIME.match(shown)
+    assert parts is not None, shown
+    seconds = int(parts.group(1)) / 1000 if parts.group(1) else float(parts.group(2))
+    assert least_s <= seconds < 120, shown
+    return shown
+
+
+def test_tools_that_are_off_are_not_offered(page: tuple[Any, Any], server: Server, mcp_url: str) -> None:
     pg, watch = page
     open_chat(pg, server)
-    assert pg.locator("#chat-tool-code_interpreter").is_enabled()
-    for tool, setting in (("web_search", "web_search_searxng_url"), ("mcp", "mcp_allowed_urls"),
-                          ("file_search", "file_search_embedding_model")):
-        box = pg.locator(f"#chat-tool-{tool}")
-        assert box.is_disabled(), tool
-        assert not box.is_checked(), tool
-        title = pg.locator(f"label[for=chat-tool-{tool}]").get_attribute("title") or ""
-        assert f"setting {setting}" in title, (tool, title)
-        row = pg.locator(f".tool-switch[data-tool={tool}]")
-        assert row.get_by_text(f"off: set {setting}").is_visible(), tool
+    for tool in ("code_interpreter", "web_search", "mcp"):
+        assert pg.locator(f"#chat-tool-{tool}").is_enabled(), tool
+    box = pg.locator("#chat-tool-file_search")
+    assert box.is_disabled() and not box.is_checked()
+    title = pg.locator("label[for=chat-tool-file_search]").get_attribute("title") or ""
+    assert "setting file_search_embedding_model" in title, title
+    row = pg.locator(".tool-switch[data-tool=file_search]")
+    assert row.get_by_text("off: set file_search_embedding_model").is_visible()
+    # MCP offers the server the admin allowed, filled in once switched on.
+    url = pg.locator("#chat-mcp-url")
+    assert not url.is_visible()
+    pg.locator("#chat-tool-mcp").check()
+    assert url.is_visible() and url.input_value() == mcp_url
     watch.check()
 
 
 def test_a_code_interpreter_call_shows_its_code_logs_and_time(page: tuple[Any, Any], server: Server,
                                                               screens: Path) -> None:
     pg, watch = page
-    sent: list[dict[str, Any]] = []
-    pg.on("request", lambda r: sent.append(json.loads(r.post_data))
-          if r.method == "POST" and r.url.endswith("/v1/responses") else None)
     open_chat(pg, server)
-    pg.locator("#chat-max-tokens").fill("1500")
     pg.locator("#chat-tool-code_interpreter").check()
-    pg.locator("#chat-require-tool").check()
-
-    ran = None
-    for attempt in range(TRIES):
-        if attempt:
-            pg.get_by_role("button", name="New chat").click()
-        pg.locator("#chat-input").fill("Compute something")
-        pg.get_by_role("button", name="Send").click()
-        finished(pg)
-        call = pg.locator(".msg.assistant").last.locator(".hosted-call[data-kind=code_interpreter]").first
-        call.wait_for()
-        if call.get_attribute("data-status") == "completed":
-            ran = call
-            break
-    assert ran is not None, f"no forced call ran in {TRIES} tries"
+    ran, sent = send_until(pg, "code_interpreter_call", ("completed",))
     assert sent[-1]["tools"] == [{"type": "code_interpreter", "container": {"type": "auto"}}]
     assert sent[-1]["tool_choice"] == "required"
 
+    call_id = ran.get_attribute("data-call-id")
     code = ran.locator(".call-code pre").inner_text()
     logs = ran.locator(".call-logs pre").inner_text()
-    shown = ran.locator(".call-time").inner_text()
     assert ran.locator(".call-kind").inner_text() == "code_interpreter"
     assert ran.locator(".call-status").inner_text() == "completed"
-    took = SECONDS.match(shown)
-    assert took is not None, shown
-    # From the call's in_progress event to its completed event: a sandbox
-    # run takes a moment, never minutes (coarse bounds).
-    assert 0 < float(took.group(1)) < 120, shown
+    # The sandbox starts a process: never no time at all.
+    shown = took(ran, least_s=0.001)
     # What the page shows is what the server ran and stored.
-    response_id = pg.locator(".mode-note .response-id").get_attribute("data-response-id")
-    stored = stored_call(server, response_id)
-    assert code == stored["code"]
-    assert code
-    assert logs == ("".join(o["logs"] for o in stored["outputs"] if o["type"] == "logs") or "(no output)")
+    call = stored(server, pg, "code_interpreter_call")
+    assert call["id"] == call_id
+    assert code and code == call["code"]
+    assert logs == ("".join(o["logs"] for o in call["outputs"] if o["type"] == "logs") or "(no output)")
     shoot(pg, screens, "chat-hosted-code", full_page=True)
 
     # A saved conversation shows the call again, with its time.
     pg.reload()
     pg.locator(".conversations .conv-open").first.click()
-    again = pg.locator(".hosted-call[data-kind=code_interpreter][data-status=completed]").last
+    again = pg.locator(f".hosted-call[data-call-id={call_id}]")
     again.wait_for()
     assert again.locator(".call-code pre").inner_text() == code
     assert again.locator(".call-time").inner_text() == shown
+    watch.check()
+
+
+def test_a_web_search_shows_its_query_and_sources(page: tuple[Any, Any], server: Server,
+                                                  search: FakeSearxng, screens: Path) -> None:
+    pg, watch = page
+    open_chat(pg, server)
+    pg.locator("#chat-tool-web_search").check()
+    ran, sent = send_until(pg, "web_search_call", ("completed",))
+    assert sent[-1]["tools"] == [{"type": "web_search"}]
+    query = ran.locator(".call-query pre").inner_text()
+    call = stored(server, pg, "web_search_call")
+    # The query the model wrote, as the provider was asked it.
+    assert query == call["action"]["query"] and query[:1000] in search.queries
+    links = ran.locator(".call-sources a")
+    shown = [(links.nth(i).inner_text(), links.nth(i).get_attribute("href")) for i in range(links.count())]
+    assert shown == [(r["title"], r["url"]) for r in call["results"]]
+    assert shown[0] == (RESULTS[0]["title"], RESULTS[0]["url"])
+    took(ran)
+    shoot(pg, screens, "chat-hosted-search", full_page=True)
+    watch.check()
+
+
+def test_an_mcp_call_shows_the_tool_its_arguments_and_output(page: tuple[Any, Any], server: Server,
+                                                             screens: Path) -> None:
+    pg, watch = page
+    open_chat(pg, server)
+    pg.locator("#chat-tool-mcp").check()
+    ran, sent = send_until(pg, "mcp_call", ("completed", "failed"))
+    tool = sent[-1]["tools"][0]
+    assert tool["type"] == "mcp" and tool["require_approval"] == "never"
+    # The server's tools were listed first, then one was called.
+    listing = pg.locator(".msg.assistant").last.locator(".hosted-call[data-type=mcp_list_tools]")
+    assert listing.locator(".call-kind").inner_text() == "mcp"
+    assert ran.locator(".call-kind").inner_text() == "mcp"
+    assert "list tools" in listing.locator(".call-subject").inner_text()
+    assert "add" in listing.locator(".call-output pre").inner_text().split("\n")
+    assert listing.locator(".call-time").inner_text() == ""  # its events come together: no time to show
+    call = stored(server, pg, "mcp_call")
+    assert ran.get_attribute("data-status") == call["status"]
+    assert ran.locator(".call-subject").inner_text().strip() == f"{call['server_label']} · {call['name']}"
+    args = ran.locator(".call-args pre").inner_text()
+    try:
+        assert json.loads(args) == json.loads(call["arguments"])
+    except ValueError:
+        assert args == call["arguments"]  # not JSON: shown as written
+    if call.get("output") is not None:
+        assert ran.locator(".call-output pre").inner_text() == call["output"]
+    else:
+        # A protocol or HTTP error's message, or the text a tool's failure came with.
+        error = call["error"]
+        said = error.get("message") or "\n".join(c["text"] for c in error.get("content") or [] if "text" in c)
+        assert said and ran.locator(".call-error pre").inner_text() == said
+    took(ran)
+    shoot(pg, screens, "chat-hosted-mcp", full_page=True)
     watch.check()

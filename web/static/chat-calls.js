@@ -65,9 +65,11 @@ export function followCall(calls, ev, now) {
     const call = find(ev.item_id);
     if (!call) return false;
     const [, , state] = phase;
+    // A listing's events come together once it is done: no time to show.
+    if (call.type === 'mcp_list_tools') return true;
     if (state === 'in_progress') call.started ??= now;
     else if (state === 'completed' || state === 'failed') call.ended ??= now;
-    if (call.type !== 'mcp_list_tools') call.item.status = state;
+    call.item.status = state;
     return true;
   }
   const call = find(ev.item_id);
@@ -85,6 +87,13 @@ export function callSeconds(call) {
   if (typeof call.seconds === 'number') return call.seconds;
   if (call.started === null || call.ended === null) return null;
   return Math.max(0, (call.ended - call.started) / 1000);
+}
+
+// Milliseconds under a second (a local search takes a few), else seconds.
+export function formatCallTime(seconds) {
+  if (seconds === null) return '';
+  if (seconds < 1) return `${Math.round(seconds * 1000)} ms`;
+  return `${seconds.toFixed(seconds < 10 ? 2 : 1)} s`;
 }
 
 const cut = (text) => (typeof text === 'string' && text.length > MAX_SAVED_CHARS ? `${text.slice(0, MAX_SAVED_CHARS)}…` : text);
@@ -115,6 +124,15 @@ function sourceList(label, urls) {
     h('ol', { class: 'call-links' }, urls.map((r) => h('li', {},
       h('a', { href: r.url, target: '_blank', rel: 'noopener noreferrer', text: r.title || r.url }),
       r.snippet ? h('span', { class: 'small muted', text: ` — ${r.snippet}` }) : null))));
+}
+
+// An mcp_call's error as a person reads it: the protocol or HTTP error's
+// message, or the text the tool's execution error came with.
+function mcpError(err) {
+  if (typeof err === 'string') return err;
+  if (err.message) return err.message;
+  const texts = Array.isArray(err.content) ? err.content.filter((c) => typeof c?.text === 'string').map((c) => c.text) : [];
+  return texts.length ? texts.join('\n') : JSON.stringify(err);
 }
 
 // The kind, the subject and the parts (arguments, then result) of a call.
@@ -151,7 +169,7 @@ function describe(call) {
       };
     }
     case 'mcp_call': {
-      const result = it.error ? block('Error', typeof it.error === 'string' ? it.error : (it.error.message || JSON.stringify(it.error)), 'call-error')
+      const result = it.error ? block('Error', mcpError(it.error), 'call-error')
         : (it.output !== null && it.output !== undefined ? block('Output', it.output, 'call-output') : null);
       return {
         kind: 'mcp', subject: `${it.server_label} · ${it.name}`,
@@ -179,7 +197,7 @@ export function callView(call) {
   const status = h('span', { class: 'call-status badge' });
   const time = h('span', { class: 'call-time small muted' });
   const body = h('div', { class: 'call-body' });
-  const el = h('details', { class: 'hosted-call', open: true, dataset: { callId: call.id } },
+  const el = h('details', { class: 'hosted-call', open: true, dataset: { callId: call.id, type: call.type } },
     h('summary', {}, kind, subject, status, time), body);
   const update = () => {
     const d = describe(call);
@@ -191,7 +209,7 @@ export function callView(call) {
     status.textContent = state;
     status.className = `call-status badge state-${state}`;
     const seconds = callSeconds(call);
-    time.textContent = seconds === null ? '' : `${seconds.toFixed(seconds < 10 ? 2 : 1)} s`;
+    time.textContent = formatCallTime(seconds);
     replace(body, d.parts);
   };
   update();
