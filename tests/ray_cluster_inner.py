@@ -18,7 +18,8 @@ on its own (its name is no test_*.py); run outside that namespace it skips.
 - A server stopped by SIGTERM exits cleanly and its worker on the node ends.
 - A job booking node-b's GPU runs there, started by node-b's agent with
   that GPU pinned, while a chat is served on node-a; its events reach
-  /api/jobs/{id}/events, and a cancel stops it there.
+  /api/jobs/{id}/events, and a cancel stops it there; a second job there is
+  interrupted when node-b's raylet dies, and its process ends.
 - A measurement (issue 28's benchmark): a 1,000-token stream through a
   worker on node-b against one through a worker on this machine, run by
   run in turn; it prints both rates and their ratio.
@@ -382,6 +383,28 @@ def test_a_job_on_node_b_runs_there_while_node_a_serves_and_a_cancel_stops_it(
         r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=120, json={
             "model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "again"}]})
         assert r.status_code == 200, r.text
+        # A second job there, and node-b's raylet killed under it: the job is interrupted, with the reason,
+        # and its process ends with its agent (its stdin closes).
+        r = httpx.post(srv.base_url + "/api/jobs", timeout=30, json={
+            "kind": "sleep", "params": {"steps": 4000, "step_seconds": 0.05, "gpu_ids": ["node-b/cuda:0"]}})
+        assert r.status_code == 201, r.text
+        lost_id = r.json()["id"]
+        running_job = poll_until(lambda: _job(srv, lost_id), lambda j: j["progress"] > 0, timeout=90, interval=0.2)
+        pid = int(running_job["pid"])
+        _raylet_of(cluster.nodes["node-b"]).kill()
+        killed = time.monotonic()
+        done = poll_until(lambda: _job(srv, lost_id), lambda j: j["status"] != "running", timeout=60, interval=0.2)
+        took = time.monotonic() - killed
+        assert done["status"] == "interrupted", done
+        assert "node node-b was lost while the job ran" in done["error"], done
+        poll_until(lambda: _running(pid), lambda alive: not alive, timeout=ORPHAN_BOUND_S, interval=0.2)
+        print(f"measured: a job on node-b was interrupted {took:.1f}s after its raylet died")
+    # node-b back for the tests after this one, with its new node id.
+    cluster.start_node("node-b")
+    import ray
+
+    cluster.nodes["node-b"] = next(n["NodeID"] for n in ray.nodes()
+                                   if n["Alive"] and n["Labels"].get("gpuvisor-node") == "node-b")
 
 
 def test_a_node_lost_mid_stream_ends_the_stream_and_the_model_comes_back_on_another_node(
