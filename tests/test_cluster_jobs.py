@@ -11,6 +11,7 @@ longer answers.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -222,3 +223,23 @@ def test_a_jobs_environment_for_its_node() -> None:
     assert job_node(["node-b/cuda:0", "node-b/cuda:1"]) == "node-b" and job_node(["cpu"]) == ""
     with pytest.raises(ValueError, match="one machine"):
         job_node(["node-a/cuda:0", "node-b/cuda:0"])
+
+
+async def test_a_silent_job_on_a_node_is_killed_and_a_shutdown_interrupts_one(tmp_path: Path) -> None:
+    async with cluster_lab(tmp_path, heartbeat_timeout_s=1.0) as lab:
+        # It stops itself (SIGSTOP) at step 1: no events, so it is killed there by its group.
+        job, _ = await lab.runner.submit("sleep", SleepParams(steps=5, crash="stop", crash_at_step=1,
+                                                              gpu_ids=["node-b/cuda:0"]))
+        done = await wait_finished(lab.runner.store, job.id)
+        assert done.status == "failed" and done.error is not None and "no events" in done.error
+        assert done.exit_code == -signal.SIGKILL
+        (silent,) = lab.nodes.started
+        assert not group_alive(silent.pid)
+
+        job, _ = await lab.runner.submit("sleep", SleepParams(steps=400, step_seconds=0.05,
+                                                              gpu_ids=["node-b/cuda:0"]))
+        await wait_for(lab.runner.store, job.id, lambda j: j.progress > 0)
+        await lab.runner.stop()
+        done = await lab.runner.store.get(job.id)
+        assert done.status == "interrupted" and done.error == "supervisor shut down"
+        assert not group_alive(lab.nodes.started[-1].pid)
