@@ -22,6 +22,8 @@ from supervisor.responses.items import (
     FunctionCallOutputItem,
     InputImage,
     Item,
+    McpApprovalRequestItem,
+    McpApprovalResponseItem,
     McpCallItem,
     McpListToolsItem,
     MessageItem,
@@ -108,6 +110,20 @@ class _Turns:
         msg.tool_calls = [*(msg.tool_calls or []), call]
         self.messages.append(ChatMessage(role="tool", content=item.result_text(), tool_call_id=item.id, name=name))
 
+    def add_approval_request(self, item: McpApprovalRequestItem) -> None:
+        """A call that waited for approval: the assistant's call; its result
+        comes with the answer (the run call's output, or the refusal)."""
+        msg = self._assistant()
+        self._take_reasoning(msg)
+        call = {"id": item.id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+        msg.tool_calls = [*(msg.tool_calls or []), call]
+        self.call_names[item.id] = item.name
+
+    def add_result(self, call_id: str, text: str) -> None:
+        """The result of a call the assistant made earlier (an approved or refused one)."""
+        self.messages.append(ChatMessage(role="tool", content=text, tool_call_id=call_id,
+                                         name=self.call_names.get(call_id)))
+
     def add_reasoning(self, item: ReasoningItem) -> None:
         self._pending_reasoning.append(item.text())
 
@@ -137,8 +153,16 @@ def to_messages(
                 turns.add_output(item, param)
             case ReasoningItem():
                 turns.add_reasoning(item)
+            case McpCallItem() if item.approval_request_id in turns.call_names:
+                turns.add_result(item.approval_request_id, item.result_text())  # its call was the request
             case McpCallItem() | CodeInterpreterCallItem() | WebSearchCallItem() | FileSearchCallItem():
                 turns.add_hosted_call(item)
+            case McpApprovalRequestItem():
+                turns.add_approval_request(item)
+            case McpApprovalResponseItem():
+                if not item.approve and item.approval_request_id in turns.call_names:
+                    turns.add_result(item.approval_request_id, item.denial_text())
+                # Approved: the mcp_call naming the request follows with its output.
             case McpListToolsItem():
                 pass  # the tools it lists are offered as functions, not rendered as a turn
     return _system_first(turns.messages)

@@ -33,6 +33,7 @@ from supervisor.responses.items import (
     FileSearchCallItem,
     FunctionCallItem,
     Item,
+    McpApprovalRequestItem,
     MessageItem,
     OutputText,
     ReasoningItem,
@@ -275,6 +276,10 @@ class EventBuilder:
         index = self.add_item(item)
         common = {"item_id": item.id, "output_index": index}
         out: list[Event]
+        if isinstance(item, McpApprovalRequestItem):
+            # Whole at once, as OpenAI streams it: it waits for the user, not for the loop.
+            return [self._event("response.output_item.added", output_index=index, item=item),
+                    self._event("response.output_item.done", output_index=index, item=item)]
         if isinstance(item, WebSearchCallItem | FileSearchCallItem):
             kind = "web_search_call" if isinstance(item, WebSearchCallItem) else "file_search_call"
             out = [

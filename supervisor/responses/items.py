@@ -164,6 +164,31 @@ class McpCallItem(msgspec.Struct, tag="mcp_call", tag_field="type", kw_only=True
         return "error: the call did not finish"
 
 
+class McpApprovalRequestItem(msgspec.Struct, tag="mcp_approval_request", tag_field="type", kw_only=True):
+    """A call the model made that waits for the user's approval
+    (``require_approval``); the response ends with it."""
+
+    server_label: str
+    name: str
+    arguments: str
+    id: str = ""
+
+
+class McpApprovalResponseItem(msgspec.Struct, tag="mcp_approval_response", tag_field="type", kw_only=True):
+    """The user's answer to an approval request: approved, the call runs
+    when the conversation goes on; denied, the model is told."""
+
+    approval_request_id: str
+    approve: bool
+    reason: str | None = None
+    id: str = ""
+
+    def denial_text(self) -> str:
+        """What the model reads for a call the user did not approve."""
+        why = f" ({self.reason})" if self.reason else ""
+        return f"error: the user did not approve this call{why}; it did not run"
+
+
 class CodeLogs(msgspec.Struct, tag="logs", tag_field="type"):
     logs: str
 
@@ -285,7 +310,8 @@ def keep_read(item: FileSearchCallItem, results: list[FileSearchResult]) -> None
 
 
 Item = (MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | McpListToolsItem | McpCallItem
-        | CodeInterpreterCallItem | WebSearchCallItem | FileSearchCallItem)
+        | CodeInterpreterCallItem | WebSearchCallItem | FileSearchCallItem | McpApprovalRequestItem
+        | McpApprovalResponseItem)
 
 _ID_PREFIX: dict[type[Any], str] = {
     MessageItem: "msg",
@@ -297,6 +323,8 @@ _ID_PREFIX: dict[type[Any], str] = {
     CodeInterpreterCallItem: "ci",
     WebSearchCallItem: "ws",
     FileSearchCallItem: "fs",
+    McpApprovalRequestItem: "mcpr",
+    McpApprovalResponseItem: "mcpa",
 }
 
 

@@ -48,6 +48,7 @@ from supervisor.responses.runner import (
     run,
 )
 from supervisor.responses.hosted.code_interpreter import Containers
+from supervisor.responses.hosted.approvals import approved_calls
 from supervisor.responses.hosted.file_search import KnowledgeRef
 from supervisor.responses.hosted.loop import ToolLoop
 from supervisor.responses.hosted.session import HostedSession, open_session, refuse_early
@@ -166,8 +167,9 @@ class ResponsesService:
         history = await self._history(valid.body, owner)
         resp = new_response(valid.body, self._clock(), "in_progress")
         valid, session = await self._hosted(valid, history, owner)
-        generation, outputs = await self._generation(valid, history, resp.id, self.keepalive_s)
-        return ResponseStream(self._events(resp, valid, generation, outputs, owner, history, session), outputs)
+        first = await self._first(valid, history, resp.id, self.keepalive_s, session)
+        return ResponseStream(self._events(resp, valid, first, owner, history, session),
+                              first[1] if first is not None else None)
 
     # ------------------------------------------------------- hosted tools
 
@@ -175,14 +177,25 @@ class ResponsesService:
                       owner: str | None) -> tuple[ValidRequest, HostedSession | None]:
         """The request with its hosted tools set up and offered (responses/hosted/), if it has any."""
         if not any(runs_here(t) for t in valid.body.tools):
+            approved_calls(history, valid.items, set())  # an approved call whose server is not in tools: a 400
             return valid, None
         return await open_session(valid, history, self.hosted, self.containers, owner, self.knowledge)
 
-    def _generated(self, resp: ResponseObject, valid: ValidRequest, history: list[Item], generation: Plan,
-                   outputs: Outputs, session: HostedSession | None, builder: EventBuilder,
+    async def _first(self, valid: ValidRequest, history: list[Item], request_id: str, wait_s: float | None,
+                     session: HostedSession | None) -> tuple[Plan, Outputs] | None:
+        """The first generation, queued; None when calls the user approved
+        run first (the loop plans it with their results)."""
+        if session is not None and session.approved:
+            return None
+        return await self._generation(valid, history, request_id, wait_s)
+
+    def _generated(self, resp: ResponseObject, valid: ValidRequest, history: list[Item],
+                   first: tuple[Plan, Outputs] | None, session: HostedSession | None, builder: EventBuilder,
                    halt: Callable[[], ApiError | None] | None = None) -> AsyncGenerator[Event, None]:
         """The events of the response: one generation, or a hosted tool loop of several."""
         if session is None:
+            assert first is not None
+            generation, outputs = first
             return run(self.pool, resp.model, generation, builder, request_id=resp.id, admitted=outputs, halt=halt)
 
         async def next_generation(output: list[Item], choice: PlanChoice) -> tuple[Plan, Outputs]:
@@ -190,15 +203,15 @@ class ResponsesService:
                                             offer=dataclasses.replace(valid.offer, choice=choice))
             return await self._generation(later, history, resp.id, None)
 
-        return ToolLoop(session).events(self.pool, resp.model, builder, (generation, outputs), next_generation,
-                                        request_id=resp.id, halt=halt)
+        return ToolLoop(session).events(self.pool, resp.model, builder, first, next_generation,
+                                        choice=valid.offer.choice, request_id=resp.id, halt=halt)
 
     async def _events(
-        self, resp: ResponseObject, valid: ValidRequest, generation: Plan, outputs: Outputs, owner: str | None,
+        self, resp: ResponseObject, valid: ValidRequest, first: tuple[Plan, Outputs] | None, owner: str | None,
         history: list[Item], session: HostedSession | None,
     ) -> AsyncGenerator[Event, None]:
         builder = EventBuilder(resp, self._clock)
-        async for event in self._generated(resp, valid, history, generation, outputs, session, builder):
+        async for event in self._generated(resp, valid, history, first, session, builder):
             if event.type in TERMINAL_EVENTS:
                 await self._save(resp, valid, owner)
             yield event
@@ -210,7 +223,7 @@ class ResponsesService:
         builder = EventBuilder(resp, self._clock)
         valid, session = await self._hosted(valid, history, owner)
         try:
-            generation, outputs = await self._generation(valid, history, resp.id, None)
+            first = await self._first(valid, history, resp.id, None, session)
         except (ModelNotFound, Unavailable, BadRequest, CrashCooldown):
             raise  # the request itself cannot be served: an HTTP error
         except ApiError as exc:
@@ -220,9 +233,11 @@ class ResponsesService:
             await self._save(resp, valid, owner)
             return resp
         if session is not None:
-            async for _ in self._generated(resp, valid, history, generation, outputs, session, builder):
+            async for _ in self._generated(resp, valid, history, first, session, builder):
                 pass
         else:
+            assert first is not None
+            generation, outputs = first
             async for _ in run(self.pool, resp.model, generation, builder, request_id=resp.id, raise_early=True,
                                admitted=outputs):
                 pass
@@ -294,13 +309,12 @@ class ResponsesService:
                              history: list[Item], builder: EventBuilder, owner: str | None) -> None:
         try:
             valid, session = await self._hosted(valid, history, owner)
-            generation, outputs = await self._generation(valid, history, resp.id, None)
+            first = await self._first(valid, history, resp.id, None, session)
         except ApiError as exc:
             await log.add(builder.start())
             await log.add(builder.failed(exc.code or "server_error", exc.message))
             return
-        async for event in self._generated(resp, valid, history, generation, outputs, session, builder,
-                                           halt=log.refusal):
+        async for event in self._generated(resp, valid, history, first, session, builder, halt=log.refusal):
             await log.add([event])
 
     async def follow(self, response_id: str, after: int, scope: str | None = None) -> ResponseStream:

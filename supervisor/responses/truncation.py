@@ -25,6 +25,8 @@ from supervisor.responses.items import (
     FunctionCallItem,
     FunctionCallOutputItem,
     Item,
+    McpApprovalRequestItem,
+    McpApprovalResponseItem,
     McpCallItem,
     McpListToolsItem,
     MessageItem,
@@ -56,6 +58,10 @@ def _text(item: Item) -> str:
             return (item.action.query or "") + item.result_text()
         case FileSearchCallItem():
             return " ".join(item.queries) + item.result_text()
+        case McpApprovalRequestItem():
+            return item.name + item.arguments
+        case McpApprovalResponseItem():
+            return item.denial_text()
         case McpListToolsItem():
             return ""
 

@@ -23,6 +23,8 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
+import msgspec
+
 from supervisor.errors import ApiError
 from supervisor.generation.tools import PlanChoice
 from supervisor.responses.events import Event, EventBuilder
@@ -37,6 +39,7 @@ from supervisor.responses.items import (
     keep_read,
     normalize,
 )
+from supervisor.responses.objects import Usage
 from supervisor.responses.runner import GenerationPool, Outputs, Plan, run
 
 # Plan and queue the next generation of the response, given the output so far.
@@ -54,16 +57,30 @@ class ToolLoop:
         # Calls run so far, by what they ask: a repeat gets the same result.
         self._results: dict[tuple[str, str, str], HostedCall] = {}
 
-    async def events(self, pool: GenerationPool, model: str, builder: EventBuilder, first: tuple[Plan, Outputs],
-                     generate: NextGeneration, *, request_id: str = "",
+    async def events(self, pool: GenerationPool, model: str, builder: EventBuilder,
+                     first: tuple[Plan, Outputs] | None, generate: NextGeneration, *, choice: PlanChoice = "auto",
+                     request_id: str = "",
                      halt: Callable[[], ApiError | None] | None = None) -> AsyncGenerator[Event, None]:
-        """Every event of the response, ending with one terminal event."""
+        """Every event of the response, ending with one terminal event.
+        ``first``: the first generation, queued already; None when the calls
+        the user approved run first (it is planned with their results, under
+        ``choice``)."""
         builder.hosted = self.session
         for event in builder.start():
             yield event
         for listing in self.session.listings():
             for event in self._listed(builder, listing):
                 yield event
+        for approved in self.session.approved:
+            async for event in self._approved(builder, approved):
+                yield event
+        if first is None:
+            try:
+                first = await generate(list(builder.response.output), choice)
+            except ApiError as exc:
+                for event in builder.failed(exc.code or "server_error", exc.message):
+                    yield event
+                return
         plan, outputs = first
         iterations = 0
         while True:
@@ -75,6 +92,11 @@ class ToolLoop:
             for call in self.session.take_pending():
                 async for event in self._run_call(builder, call):
                     yield event
+            if self.session.asked:
+                # Approval requests wait for the user: the response ends with this round.
+                for event in builder.completed(Usage.of(0, 0, 0, 0), truncated=False):
+                    yield event
+                return
             iterations += 1
             why = self._budget_spent(iterations)
             extra: list[Item] = []
@@ -107,6 +129,16 @@ class ToolLoop:
             builder.event(f"response.mcp_list_tools.{state}", **common),
             builder.event("response.output_item.done", output_index=index, item=item),
         ]
+
+    async def _approved(self, builder: EventBuilder, call: McpCallItem) -> AsyncGenerator[Event, None]:
+        """A call the user approved: its item, its arguments, then it runs."""
+        index = builder.add_item(call)
+        common = {"item_id": call.id, "output_index": index}
+        yield builder.event("response.output_item.added", output_index=index, item=msgspec.structs.replace(call))
+        yield builder.event("response.mcp_call_arguments.delta", delta=call.arguments, **common)
+        yield builder.event("response.mcp_call_arguments.done", arguments=call.arguments, **common)
+        async for event in self._run_call(builder, call):
+            yield event
 
     async def _run_call(self, builder: EventBuilder, call: HostedCall) -> AsyncGenerator[Event, None]:
         index = builder.response.output.index(call)

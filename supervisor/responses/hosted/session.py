@@ -34,6 +34,7 @@ from supervisor.generation.tools import (
     resolve,
 )
 from supervisor.responses.hosted.addresses import checked_server_url, url_problem
+from supervisor.responses.hosted.approvals import approved_calls, asks, check_policy, request_item
 from supervisor.responses.hosted.code_interpreter import CodeSession, Containers, open_code, refuse_code
 from supervisor.responses.hosted.file_search import FileSession, KnowledgeRef, open_files
 from supervisor.responses.hosted.mcp_client import McpFailed, McpServer
@@ -43,6 +44,7 @@ from supervisor.responses.items import (
     CodeInterpreterCallItem,
     FileSearchCallItem,
     Item,
+    McpApprovalRequestItem,
     McpCallItem,
     McpListToolsItem,
     McpToolInfo,
@@ -66,6 +68,8 @@ class ServerTools:
     tools: list[McpToolInfo]
     # The listing made for this response (None: reused from the conversation).
     listed: McpListToolsItem | None = None
+    # The tools whose calls wait for the user's approval (require_approval).
+    asking: frozenset[str] = frozenset()
 
 
 # The output item of a call the server runs.
@@ -84,6 +88,10 @@ class HostedSession:
     code: CodeSession | None = None
     web: WebSession | None = None
     files: FileSession | None = None
+    # Calls the user approved in this request's input: they run first.
+    approved: list[McpCallItem] = field(default_factory=list)
+    # Whether a generation made an approval request: the response ends after its round.
+    asked: bool = False
 
     def own_tools(self) -> list[CodeSession | WebSession | FileSession]:
         return [tool for tool in (self.code, self.web, self.files) if tool is not None]
@@ -91,8 +99,9 @@ class HostedSession:
     def owns(self, name: str) -> bool:
         return name in self.owners or any(name == tool.name for tool in self.own_tools())
 
-    def call_item(self, call: ToolCall) -> HostedCall:
-        """The output item of a call the model made; a complete one waits to run."""
+    def call_item(self, call: ToolCall) -> HostedCall | McpApprovalRequestItem:
+        """The output item of a call the model made; a complete one waits to
+        run, or for the user's approval."""
         item: HostedCall
         if self.code is not None and call.name == self.code.name:
             item = self.code.item(call)
@@ -100,6 +109,9 @@ class HostedSession:
             item = self.web.item(call)
         elif self.files is not None and call.name == self.files.name:
             item = self.files.item(call)
+        elif call.complete and call.name in self.servers[self.owners[call.name]].asking:
+            self.asked = True
+            return request_item(self.owners[call.name], call.name, call.arguments)
         else:
             item = McpCallItem(server_label=self.owners[call.name], name=call.name, arguments=call.arguments,
                                id=new_id("mcp"), status="in_progress" if call.complete else "incomplete")
@@ -166,10 +178,7 @@ def _refuse(tool: McpTool, i: int, settings: HostedSettings) -> None:
                          param=f"{name}.connector_id" if tool.connector_id else f"{name}.tunnel_id")
     if tool.server_url is None:
         raise BadRequest(f"mcp tool {name} needs a server_url", param=f"{name}.server_url")
-    if tool.require_approval != "never":
-        raise BadRequest(f"mcp tool {name}: only require_approval \"never\" is supported here (approval "
-                         "requests are not); set it to run the server's tools without asking",
-                         param=f"{name}.require_approval")
+    check_policy(tool, f"{name}.require_approval")
 
 
 async def refuse_early(valid: ValidRequest, settings: HostedSettings, containers: Containers | None = None,
@@ -242,7 +251,9 @@ async def open_session(valid: ValidRequest, history: list[Item], settings: Hoste
             listed = McpListToolsItem(server_label=tool.server_label, tools=_allowed(tool, await _list(server, i)),
                                       id=new_id("mcpl"))
         tools = listed.tools if listed is not None else _allowed(tool, before.tools if before else [])
-        session.servers[tool.server_label] = ServerTools(server, tools, listed)
+        session.servers[tool.server_label] = ServerTools(server, tools, listed,
+                                                         frozenset(t.name for t in tools if asks(tool, t)))
+    session.approved = approved_calls(history, valid.items, set(session.servers))
     return _with_offer(valid, session), session
 
 
