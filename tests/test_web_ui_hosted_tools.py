@@ -1,16 +1,17 @@
 """The chat's hosted tools in headless Chromium, driven as a person would,
 against a real gpuvisor whose code_interpreter (its sandbox works here),
-web_search (a local stand-in for SearXNG) and mcp (a local MCP server made
-with the official SDK) are enabled, and whose file_search is off.
+web_search (a local stand-in for SearXNG), mcp (a local MCP server made
+with the official SDK) and file_search (the tiny model embeds a vector
+store's file) are enabled, and against one where every tool is off.
 
-The settings offer those three; file search is shown off, disabled, with
-the setting that turns it on as the tooltip. A person switches one tool on,
+On the second, each tool is shown off, disabled, with the setting that
+turns it on as the tooltip. On the first, a person switches one tool on,
 asks the model to call a tool (the tiny model never would by itself) and
 sends a message: the answer shows the call with what the model asked (the
 code, the query, the MCP tool and its arguments), what came back (the
-sandbox's logs, the search's sources, the server's tools and output) and
-how long it took, as the stored response holds them. A saved conversation
-shows the call again.
+sandbox's logs, the search's sources, the server's tools and output, the
+chunks found) and how long it took, as the stored response holds them. A
+saved conversation shows the call again.
 
 The tiny model's weights are random: about half its forced calls leave a
 string open at the token limit and never run (tests/test_hosted_code.py
@@ -37,11 +38,12 @@ from tests.browser import screens_fixture as screens  # noqa: F401 (a fixture)
 from tests.browser import new_page, shoot
 from tests.sandbox_support import find_python
 from tests.searxng_fake import RESULTS, FakeSearxng
-from tests.server import REPO, Server, running, short_tempdir
+from tests.server import REPO, Server, poll_until, running, short_tempdir
 
 pytestmark = pytest.mark.timeout(300)
 N_CTX = 8192
 TRIES = 12
+HERON = " ".join(f"The heron counts {i} silver pebbles beside the quiet mill pond." for i in range(24))
 TIME = re.compile(r"^(\d+) ms$|^(\d+\.\d+) s$")
 
 
@@ -79,11 +81,33 @@ def server(search: FakeSearxng, mcp_url: str) -> Iterator[Server]:
     env = {"GPUVISOR_N_CTX": str(N_CTX), "GPUVISOR_CODE_INTERPRETER": "true",
            "GPUVISOR_CODE_INTERPRETER_PYTHON": python, "GPUVISOR_HOSTED_MAX_ITERATIONS": "2",
            "GPUVISOR_CODE_INTERPRETER_MAX_CONTAINERS": "100", "GPUVISOR_WEB_SEARCH_SEARXNG_URL": search.url,
-           "GPUVISOR_MCP_ALLOWED_URLS": mcp_url,
+           "GPUVISOR_MCP_ALLOWED_URLS": mcp_url, "GPUVISOR_FILE_SEARCH_EMBEDDING_MODEL": "tiny",
            # The MCP server's hang tool, should the model pick it, ends within this.
            "GPUVISOR_HOSTED_CALL_TIMEOUT_S": "10"}
     with running(Server(models, env=env, model="tiny")) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def bare() -> Iterator[Server]:
+    """Every hosted tool off; no model (the settings need none)."""
+    with running(Server(short_tempdir("gvm"))) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def store(server: Server) -> str:
+    """A vector store holding one file, indexed."""
+    up = httpx.post(f"{server.base_url}/v1/files", files={"file": ("heron.md", HERON.encode())},
+                    data={"purpose": "assistants"}, timeout=60)
+    assert up.status_code == 200, up.text
+    made = httpx.post(f"{server.base_url}/v1/vector_stores", json={"name": "heron", "file_ids": [up.json()["id"]]},
+                      timeout=60)
+    assert made.status_code == 200, made.text
+    store_id: str = made.json()["id"]
+    poll_until(lambda: httpx.get(f"{server.base_url}/v1/vector_stores/{store_id}", timeout=30).json(),
+               lambda s: s["file_counts"]["completed"] == 1, timeout=120)
+    return store_id
 
 
 @pytest.fixture
@@ -148,22 +172,40 @@ def took(call: Any, least_s: float = 0.0) -> str:
     return shown
 
 
-def test_tools_that_are_off_are_not_offered(page: tuple[Any, Any], server: Server, mcp_url: str) -> None:
+def test_tools_that_are_off_are_not_offered(browser: Any, bare: Server) -> None:
+    context, pg, watch = new_page(browser, bare.base_url)
+    pg.goto(f"{bare.base_url}/#/chat")
+    pg.locator(".tool-switch[data-tool=code_interpreter]").wait_for()
+    for tool, setting in (("code_interpreter", "code_interpreter"), ("web_search", "web_search_searxng_url"),
+                          ("mcp", "mcp_allowed_urls"), ("file_search", "file_search_embedding_model")):
+        box = pg.locator(f"#chat-tool-{tool}")
+        assert box.is_disabled() and not box.is_checked(), tool
+        title = pg.locator(f"label[for=chat-tool-{tool}]").get_attribute("title") or ""
+        assert f"setting {setting}" in title, (tool, title)
+        row = pg.locator(f".tool-switch[data-tool={tool}]")
+        assert row.get_by_text(f"off: set {setting}").is_visible(), tool
+    context.close()
+    watch.check()
+
+
+def test_tools_that_are_on_are_offered(page: tuple[Any, Any], server: Server, mcp_url: str) -> None:
     pg, watch = page
     open_chat(pg, server)
-    for tool in ("code_interpreter", "web_search", "mcp"):
+    for tool in ("code_interpreter", "web_search", "mcp", "file_search"):
         assert pg.locator(f"#chat-tool-{tool}").is_enabled(), tool
-    box = pg.locator("#chat-tool-file_search")
-    assert box.is_disabled() and not box.is_checked()
-    title = pg.locator("label[for=chat-tool-file_search]").get_attribute("title") or ""
-    assert "setting file_search_embedding_model" in title, title
-    row = pg.locator(".tool-switch[data-tool=file_search]")
-    assert row.get_by_text("off: set file_search_embedding_model").is_visible()
+        assert not pg.locator(f".tool-switch[data-tool={tool}] .tool-why").count(), tool
     # MCP offers the server the admin allowed, filled in once switched on.
     url = pg.locator("#chat-mcp-url")
     assert not url.is_visible()
     pg.locator("#chat-tool-mcp").check()
     assert url.is_visible() and url.input_value() == mcp_url
+    # File search needs a store to search: sending without one says so.
+    pg.locator("#chat-tool-mcp").uncheck()
+    pg.locator("#chat-tool-file_search").check()
+    pg.locator("#chat-input").fill("Find out")
+    pg.get_by_role("button", name="Send").click()
+    pg.locator(".form-error", has_text="Name a vector store to search").wait_for()
+    assert not pg.locator(".msg.assistant").count()
     watch.check()
 
 
@@ -252,4 +294,29 @@ def test_an_mcp_call_shows_the_tool_its_arguments_and_output(page: tuple[Any, An
         assert said and ran.locator(".call-error pre").inner_text() == said
     took(ran)
     shoot(pg, screens, "chat-hosted-mcp", full_page=True)
+    watch.check()
+
+
+def test_a_file_search_shows_its_queries_and_the_chunks_found(page: tuple[Any, Any], server: Server,
+                                                              store: str, screens: Path) -> None:
+    pg, watch = page
+    open_chat(pg, server)
+    pg.locator("#chat-tool-file_search").check()
+    # The stores this sign-in may search are offered to pick from.
+    pg.locator(f"#chat-vector-store-list option[value={store}]").wait_for(state="attached")
+    assert pg.locator(f"#chat-vector-store-list option[value={store}]").get_attribute("label") == f"heron ({store})"
+    pg.locator("#chat-vector-stores").fill(store)
+    ran, sent = send_until(pg, "file_search_call", ("completed",))
+    assert sent[-1]["tools"] == [{"type": "file_search", "vector_store_ids": [store]}]
+    assert sent[-1]["include"] == ["file_search_call.results"]
+    call = stored(server, pg, "file_search_call")
+    assert ran.locator(".call-query pre").inner_text() == "\n".join(call["queries"])
+    found = ran.locator(".call-results li")
+    assert found.count() == len(call["results"]) > 0
+    first = found.first
+    assert first.locator("strong").inner_text() == "heron.md"
+    assert first.locator("pre").inner_text() == call["results"][0]["text"]
+    assert "heron counts" in call["results"][0]["text"]
+    took(ran)
+    shoot(pg, screens, "chat-hosted-files", full_page=True)
     watch.check()

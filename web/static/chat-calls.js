@@ -4,6 +4,7 @@
 // mcp) with its arguments, its result and how long it ran: from its
 // in_progress event to its completed or failed event (or, where the stream
 // has no event for a failed run, its output_item.done).
+import { getJson } from './api.js';
 import { h, replace } from './dom.js';
 
 export const HOSTED_KINDS = ['code_interpreter', 'web_search', 'mcp', 'file_search'];
@@ -219,7 +220,7 @@ export function callView(call) {
 // The tool switches of the chat's settings: one per kind the server
 // reports; one that is off is shown off, disabled, with why as its tooltip.
 // `choice` (kept by the page) holds what is switched on.
-export function toolSwitches(states, choice, onChange) {
+function toolSwitches(states, choice) {
   const rows = [];
   for (const state of states) {
     if (!HOSTED_KINDS.includes(state.type)) continue;
@@ -227,12 +228,11 @@ export function toolSwitches(states, choice, onChange) {
     const why = state.enabled ? '' : `${state.reason} (setting ${state.setting})`;
     const box = h('input', { id, type: 'checkbox', name: state.type, disabled: !state.enabled, checked: Boolean(state.enabled && choice[state.type]) });
     const label = h('label', { for: id, title: why || null }, box, ` ${LABELS[state.type]}`);
-    const extra = state.enabled ? switchDetails(state, choice, onChange) : null;
+    const extra = state.enabled ? switchDetails(state, choice) : null;
     box.addEventListener('change', () => {
       choice[state.type] = box.checked ? (choice[state.type] || defaultChoice(state)) : false;
       if (box.checked && extra) extra.fill();
       if (extra) extra.el.hidden = !box.checked;
-      onChange();
     });
     if (extra) {
       extra.el.hidden = !box.checked;
@@ -251,19 +251,74 @@ function defaultChoice(state) {
 }
 
 // The server an mcp tool names, and the vector stores a file_search searches.
-function switchDetails(state, choice, onChange) {
+function switchDetails(state, choice) {
   if (state.type === 'mcp') {
     const list = h('datalist', { id: 'chat-mcp-urls' }, (state.server_urls || []).map((u) => h('option', { value: u })));
     const url = h('input', { id: 'chat-mcp-url', type: 'url', list: 'chat-mcp-urls', placeholder: 'https://…/mcp', 'aria-label': 'MCP server URL' });
-    url.addEventListener('input', () => { if (choice.mcp) { choice.mcp.url = url.value.trim(); onChange(); } });
+    url.addEventListener('input', () => { if (choice.mcp) choice.mcp.url = url.value.trim(); });
     return { el: h('div', { class: 'tool-extra' }, url, list), fill: () => { url.value = choice.mcp?.url || ''; } };
   }
   if (state.type === 'file_search') {
-    const stores = h('input', { id: 'chat-vector-stores', type: 'text', placeholder: 'vs_… (comma-separated)', 'aria-label': 'Vector store ids' });
-    stores.addEventListener('input', () => {
-      if (choice.file_search) { choice.file_search.stores = stores.value.split(',').map((s) => s.trim()).filter(Boolean); onChange(); }
+    const known = h('datalist', { id: 'chat-vector-store-list' });
+    const note = h('p', { class: 'small muted store-note' });
+    const stores = h('input', {
+      id: 'chat-vector-stores', type: 'text', list: 'chat-vector-store-list', placeholder: 'vs_… (comma-separated)', 'aria-label': 'Vector store ids',
     });
-    return { el: h('div', { class: 'tool-extra' }, stores), fill: () => { stores.value = (choice.file_search?.stores || []).join(', '); } };
+    stores.addEventListener('input', () => {
+      if (choice.file_search) choice.file_search.stores = stores.value.split(',').map((s) => s.trim()).filter(Boolean);
+    });
+    const fill = () => {
+      stores.value = (choice.file_search?.stores || []).join(', ');
+      // The stores this sign-in may search, to pick from (each key sees its own).
+      getJson('v1/vector_stores?limit=100').then((body) => {
+        replace(known, body.data.map((vs) => h('option', { value: vs.id, label: vs.name ? `${vs.name} (${vs.id})` : vs.id })));
+        note.textContent = body.data.length ? '' : 'No vector stores yet: make one through /v1/vector_stores.';
+      }, (err) => { note.textContent = `The vector stores cannot be listed: ${err.message}`; });
+    };
+    return { el: h('div', { class: 'tool-extra' }, stores, known, note), fill };
   }
   return null;
+}
+
+// Why the switched-on tools cannot be sent yet (null: they can).
+export function toolProblem(choice) {
+  if (choice.mcp && !choice.mcp.url) return 'Give the MCP server’s URL, or switch the MCP tool off.';
+  if (choice.file_search && !choice.file_search.stores.length) return 'Name a vector store to search, or switch file search off.';
+  return null;
+}
+
+// The settings' "Hosted tools" box. `state` (kept by the page across
+// visits) holds `tools` (what is switched on) and `requireTool` (send
+// tool_choice required). Only what this server runs is offered; what it
+// does not is shown off, with why.
+export function toolSettings(state) {
+  const rows = h('div', { class: 'tool-switches' }, h('p', { class: 'small muted', text: 'Asking the server which tools it runs…' }));
+  const require = h('input', { id: 'chat-require-tool', type: 'checkbox', checked: state.requireTool });
+  require.addEventListener('change', () => { state.requireTool = require.checked; });
+  getJson('api/hosted-tools').then((body) => {
+    for (const tool of body.data) if (!tool.enabled) delete state.tools[tool.type];
+    replace(rows, toolSwitches(body.data, state.tools));
+  }, (err) => {
+    replace(rows, h('p', { class: 'small muted', text: `Hosted tools cannot be offered: ${err.message}` }));
+  });
+  return h('fieldset', { class: 'hosted-tools' }, h('legend', { text: 'Hosted tools' }), rows,
+    h('label', { class: 'small', for: 'chat-require-tool', title: 'tool_choice: required' }, require, ' Make the model call a tool'));
+}
+
+// A turn's calls, in the order the stream reported them; update() adds the
+// new ones and redraws the others.
+export function callList(turn) {
+  const el = h('div', { class: 'hosted-calls', 'aria-label': 'Tool calls' });
+  const views = [];
+  const update = () => {
+    for (const call of (turn.calls || []).slice(views.length)) {
+      const view = callView(call);
+      views.push(view);
+      el.append(view.el);
+    }
+    for (const view of views) view.update();
+    el.hidden = !views.length;
+  };
+  update();
+  return { el, update };
 }

@@ -10,11 +10,11 @@
 // the load's progress (the picker and that line: chat-models.js). The hosted
 // tools the server runs are switched on in the settings and each call they
 // make shows in the answer (chat-calls.js).
-import { getJson, send } from './api.js';
+import { send } from './api.js';
 import { errorBox, formatNumber, h, progressBar, replace } from './dom.js';
 import { loadingState, modelPicker } from './chat-models.js';
 import { ChatSession } from './chat-stream.js';
-import { callView, followCall, requestTools, toolSwitches } from './chat-calls.js';
+import { callList, followCall, requestTools, toolProblem, toolSettings } from './chat-calls.js';
 import { busyBox, isDeviceBusy, positionText, waitForDevice } from './chat-wait.js';
 import {
   getConversation, listConversations, newConversationId, removeConversation, renameConversation, saveConversation, titleFrom,
@@ -77,18 +77,7 @@ function turnView(turn, actions) {
   const reasoningBody = h('div', { class: 'reasoning-text', text: turn.reasoning });
   const reasoning = h('details', { class: 'reasoning', hidden: !turn.reasoning },
     h('summary', { text: turn.status === 'streaming' && !turn.text ? 'Thinking…' : 'Reasoning' }), reasoningBody);
-  const calls = h('div', { class: 'hosted-calls', 'aria-label': 'Tool calls' });
-  const callViews = [];
-  const showCalls = () => {
-    for (const call of (turn.calls || []).slice(callViews.length)) {
-      const v = callView(call);
-      callViews.push(v);
-      calls.append(v.el);
-    }
-    for (const v of callViews) v.update();
-    calls.hidden = !callViews.length;
-  };
-  showCalls();
+  const calls = callList(turn);
   const text = h('div', { class: 'answer-text markdown' });
   text.append(renderMarkdown(turn.text));
   let shown = turn.text;
@@ -96,7 +85,7 @@ function turnView(turn, actions) {
   const error = h('div');
   error.append(turnError(turn, actions) ?? '');
   const answer = h('div', { class: `msg assistant ${turn.status}`, 'aria-busy': String(turn.status === 'streaming') },
-    h('div', { class: 'who', text: turn.model }), loading, reasoning, calls, text, error, meta);
+    h('div', { class: 'who', text: turn.model }), loading, reasoning, calls.el, text, error, meta);
   // Saved conversations keep only a count of their images (localStorage is small).
   const pics = (turn.images || []).map((url) => h('img', { class: 'chat-image', src: url, alt: 'attached image' }));
   const missing = (turn.imageCount || 0) - pics.length;
@@ -114,7 +103,7 @@ function turnView(turn, actions) {
       reasoningBody.textContent = turn.reasoning;
       reasoning.hidden = !turn.reasoning;
       reasoning.querySelector('summary').textContent = turn.status === 'streaming' && !turn.text ? 'Thinking…' : 'Reasoning';
-      if (turn.callsChanged) { showCalls(); turn.callsChanged = false; }
+      if (turn.callsChanged) { calls.update(); turn.callsChanged = false; }
       if (turn.text !== shown) { replace(text, renderMarkdown(turn.text)); shown = turn.text; }
       meta.textContent = usageLine(turn);
       answer.className = `msg assistant ${turn.status}`;
@@ -131,10 +120,6 @@ export function mount(root, _params, query) {
   const maxTokens = h('input', { id: 'chat-max-tokens', type: 'number', min: 1, step: 1, value: c.maxTokens });
   const temperature = h('input', { id: 'chat-temperature', type: 'number', min: 0, max: 2, step: 0.1, placeholder: 'default', value: c.temperature });
   const modeNote = h('p', { class: 'small muted mode-note', role: 'status' });
-  const toolRows = h('div', { class: 'tool-switches' }, h('p', { class: 'small muted', text: 'Asking the server which tools it runs…' }));
-  const requireTool = h('input', { id: 'chat-require-tool', type: 'checkbox', checked: c.requireTool });
-  const tools = h('fieldset', { class: 'hosted-tools' }, h('legend', { text: 'Hosted tools' }), toolRows,
-    h('label', { class: 'small', for: 'chat-require-tool', title: 'tool_choice: required' }, requireTool, ' Make the model call a tool'));
   const transcript = h('div', { class: 'transcript', role: 'log', 'aria-live': 'polite', 'aria-label': 'Conversation' });
   const input = h('textarea', { id: 'chat-input', rows: 3, placeholder: 'Ask something… (Enter sends, Shift+Enter for a new line)', 'aria-label': 'Message' });
   const sendBtn = h('button', { type: 'submit', class: 'primary', text: 'Send' });
@@ -155,7 +140,7 @@ export function mount(root, _params, query) {
     h('div', { class: 'field-pair' },
       h('div', { class: 'field' }, h('label', { for: 'chat-max-tokens', text: 'Max tokens' }), maxTokens),
       h('div', { class: 'field' }, h('label', { for: 'chat-temperature', text: 'Temperature' }), temperature)),
-    tools, modeNote);
+    toolSettings(c), modeNote);
   const history = h('details', { class: 'card chat-history', open: true },
     h('summary', {}, h('h2', { text: 'Conversations' })), convList);
   root.append(
@@ -399,15 +384,6 @@ export function mount(root, _params, query) {
   instructions.addEventListener('input', () => { c.instructions = instructions.value; });
   maxTokens.addEventListener('input', () => { c.maxTokens = maxTokens.value; });
   temperature.addEventListener('input', () => { c.temperature = temperature.value; });
-  requireTool.addEventListener('change', () => { c.requireTool = requireTool.checked; });
-
-  // Only what this server runs is offered; what it does not is shown off, with why.
-  getJson('api/hosted-tools').then((body) => {
-    for (const state of body.data) if (!state.enabled) delete c.tools[state.type];
-    replace(toolRows, toolSwitches(body.data, c.tools, () => {}));
-  }, (err) => {
-    replace(toolRows, h('p', { class: 'small muted', text: `Hosted tools cannot be offered: ${err.message}` }));
-  });
 
   input.addEventListener('keydown', (ev) => {
     if (ev.key === 'Enter' && !ev.shiftKey && !ev.isComposing) {
@@ -428,8 +404,8 @@ export function mount(root, _params, query) {
     const temp = temperature.value.trim() === '' ? null : Number(temperature.value);
     if (temp !== null && !(temp >= 0 && temp <= 2)) return { error: 'Temperature must be within 0 and 2.' };
     if (!modelSel.value) return { error: 'Pick a model first.' };
-    if (c.tools.mcp && !c.tools.mcp.url) return { error: 'Give the MCP server’s URL, or switch the MCP tool off.' };
-    if (c.tools.file_search && !c.tools.file_search.stores.length) return { error: 'Name a vector store to search, or switch file search off.' };
+    const toolError = toolProblem(c.tools);
+    if (toolError) return { error: toolError };
     const { tools: list, include } = requestTools(c.tools);
     return {
       model: modelSel.value, maxTokens: max, temperature: temp, instructions: instructions.value.trim(),
