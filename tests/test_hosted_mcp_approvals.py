@@ -167,6 +167,7 @@ def test_bad_approvals_are_refused_naming_the_field(srv: Server, mcp_url: str) -
     cases.append((dict(input=[request, {**unknown, "approval_request_id": "mcpr_1"}]),
                   "input[1].approval_request_id"))
     for body, param in cases:
-        reply = _create(srv, **body)
-        assert reply.status_code == 400, (param, reply.text)
-        assert reply.json()["error"]["param"] == param, reply.text
+        for background in (False, True):  # a background request is refused before it is queued
+            reply = _create(srv, **body, background=background)
+            assert reply.status_code == 400, (param, reply.text)
+            assert reply.json()["error"]["param"] == param, reply.text

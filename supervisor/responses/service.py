@@ -250,7 +250,7 @@ class ResponsesService:
         history = await self._history(valid.body, owner)
         # Reject a bad conversation (e.g. an output for an unknown call) now, as a 400.
         to_messages(history, valid.items, valid.body.instructions)
-        await refuse_early(valid, self.hosted, self.containers, owner, self.knowledge)
+        await refuse_early(valid, history, self.hosted, self.containers, owner, self.knowledge)
         self.background.check_capacity()
         resp = new_response(valid.body, self._clock(), "queued")
         builder = EventBuilder(resp, self._clock)

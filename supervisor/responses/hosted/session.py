@@ -181,11 +181,13 @@ def _refuse(tool: McpTool, i: int, settings: HostedSettings) -> None:
     check_policy(tool, f"{name}.require_approval")
 
 
-async def refuse_early(valid: ValidRequest, settings: HostedSettings, containers: Containers | None = None,
-                       owner: str | None = None, knowledge: KnowledgeRef | None = None) -> None:
+async def refuse_early(valid: ValidRequest, history: list[Item], settings: HostedSettings,
+                       containers: Containers | None = None, owner: str | None = None,
+                       knowledge: KnowledgeRef | None = None) -> None:
     """The checks of :func:`open_session` that need no network (a background
     request answers them as a 400 before it is queued): file_search's
-    stores are looked up too, in the database."""
+    stores are looked up too, in the database, and the approvals answered."""
+    approved_calls(history, valid.items, {t.server_label for _, t in mcp_tools(valid)})
     refuse_code(valid.body.tools, containers or Containers(), owner)
     refuse_web(valid.body.tools, settings)
     await open_files(valid.body.tools, [], knowledge() if knowledge is not None else None, owner)
