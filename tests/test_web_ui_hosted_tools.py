@@ -35,7 +35,7 @@ import pytest
 
 from supervisor.models.demo import write_tiny_gguf
 from tests.browser import screens_fixture as screens  # noqa: F401 (a fixture)
-from tests.browser import new_page, shoot
+from tests.browser import DESKTOP, NARROW, new_page, shoot
 from tests.sandbox_support import find_python
 from tests.searxng_fake import RESULTS, FakeSearxng
 from tests.server import REPO, Server, poll_until, running, short_tempdir
@@ -231,6 +231,12 @@ def test_a_code_interpreter_call_shows_its_code_logs_and_time(page: tuple[Any, A
     assert code and code == call["code"]
     assert logs == ("".join(o["logs"] for o in call["outputs"] if o["type"] == "logs") or "(no output)")
     shoot(pg, screens, "chat-hosted-code", full_page=True)
+    # On a phone the call fits the width: its long code wraps, nothing scrolls sideways.
+    pg.set_viewport_size(NARROW)
+    width = pg.evaluate("() => document.documentElement.scrollWidth")
+    assert width <= NARROW["width"], f"the page scrolls sideways at {NARROW['width']}px: {width}"
+    shoot(pg, screens, "chat-hosted-code-narrow", full_page=True)
+    pg.set_viewport_size(DESKTOP)
 
     # A saved conversation shows the call again, with its time.
     pg.reload()
