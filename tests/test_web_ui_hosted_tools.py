@@ -172,6 +172,18 @@ def took(call: Any, least_s: float = 0.0) -> str:
     return shown
 
 
+def fits_a_phone(pg: Any, screens: Path, name: str) -> None:
+    """At 390 px neither the page nor the conversation scrolls sideways;
+    then back to the desktop size."""
+    pg.set_viewport_size(NARROW)
+    width = pg.evaluate("() => document.documentElement.scrollWidth")
+    assert width <= NARROW["width"], f"the page scrolls sideways at {NARROW['width']}px: {width}"
+    inner, shown = pg.locator(".transcript").evaluate("el => [el.scrollWidth, el.clientWidth]")
+    assert inner <= shown, f"the conversation scrolls sideways: {inner} px in {shown}"
+    shoot(pg, screens, name, full_page=True)
+    pg.set_viewport_size(DESKTOP)
+
+
 def test_tools_that_are_off_are_not_offered(browser: Any, bare: Server) -> None:
     context, pg, watch = new_page(browser, bare.base_url)
     pg.goto(f"{bare.base_url}/#/chat")
@@ -231,12 +243,8 @@ def test_a_code_interpreter_call_shows_its_code_logs_and_time(page: tuple[Any, A
     assert code and code == call["code"]
     assert logs == ("".join(o["logs"] for o in call["outputs"] if o["type"] == "logs") or "(no output)")
     shoot(pg, screens, "chat-hosted-code", full_page=True)
-    # On a phone the call fits the width: its long code wraps, nothing scrolls sideways.
-    pg.set_viewport_size(NARROW)
-    width = pg.evaluate("() => document.documentElement.scrollWidth")
-    assert width <= NARROW["width"], f"the page scrolls sideways at {NARROW['width']}px: {width}"
-    shoot(pg, screens, "chat-hosted-code-narrow", full_page=True)
-    pg.set_viewport_size(DESKTOP)
+    # On a phone the call fits the width: its long code wraps.
+    fits_a_phone(pg, screens, "chat-hosted-code-narrow")
 
     # A saved conversation shows the call again, with its time.
     pg.reload()
@@ -265,6 +273,8 @@ def test_a_web_search_shows_its_query_and_sources(page: tuple[Any, Any], server:
     assert shown[0] == (RESULTS[0]["title"], RESULTS[0]["url"])
     took(ran)
     shoot(pg, screens, "chat-hosted-search", full_page=True)
+    # The summary's long query is cut, not widening the page.
+    fits_a_phone(pg, screens, "chat-hosted-search-narrow")
     watch.check()
 
 
