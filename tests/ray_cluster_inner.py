@@ -19,7 +19,10 @@ on its own (its name is no test_*.py); run outside that namespace it skips.
 - A job booking node-b's GPU runs there, started by node-b's agent with
   that GPU pinned, while a chat is served on node-a; its events reach
   /api/jobs/{id}/events, and a cancel stops it there; a second job there is
-  interrupted when node-b's raylet dies, and its process ends.
+  interrupted when node-b's raylet dies, and its process ends; a third,
+  with node-b back, ends with its agent when the parent is SIGKILLed.
+- A finetune of a tiny HF model on node-b, cancelled with save, writes a
+  checkpoint into the shared outputs dir and stops there.
 - A measurement (issue 28's benchmark): a 1,000-token stream through a
   worker on node-b against one through a worker on this machine, run by
   run in turn; it prints both rates and their ratio.
@@ -127,9 +130,9 @@ def cluster() -> Iterator[Cluster]:
         import ray
 
         ray.init(address=ADDRESS, log_to_driver=False)
-        nodes = {n["Labels"].get("gpuvisor-node", ""): n["NodeID"] for n in ray.nodes()
+        nodes = {n["Labels"].get("gpuvisor-node", ""): n["NodeID"] for n in ray.nodes()  # type: ignore[no-untyped-call]
                  if n["Alive"] and n["Resources"].get("GPU", 0) >= 1}
-        assert set(nodes) == set(FREE_MIB), ray.nodes()
+        assert set(nodes) == set(FREE_MIB), ray.nodes()  # type: ignore[no-untyped-call]
         yield Cluster(ADDRESS, nodes, start_node)
     finally:
         if "ray" in sys.modules:
@@ -187,7 +190,7 @@ def _stream_rate(srv: Server, tokens: int) -> float:
 
 def _running(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
 
@@ -399,12 +402,70 @@ def test_a_job_on_node_b_runs_there_while_node_a_serves_and_a_cancel_stops_it(
         assert "node node-b was lost while the job ran" in done["error"], done
         poll_until(lambda: _running(pid), lambda alive: not alive, timeout=ORPHAN_BOUND_S, interval=0.2)
         print(f"measured: a job on node-b was interrupted {took:.1f}s after its raylet died")
-    # node-b back for the tests after this one, with its new node id.
-    cluster.start_node("node-b")
-    import ray
+        # node-b back (for the tests after this one too, with its new node id).
+        cluster.start_node("node-b")
+        import ray
 
-    cluster.nodes["node-b"] = next(n["NodeID"] for n in ray.nodes()
-                                   if n["Alive"] and n["Labels"].get("gpuvisor-node") == "node-b")
+        cluster.nodes["node-b"] = next(n["NodeID"] for n in ray.nodes()  # type: ignore[no-untyped-call]
+                                       if n["Alive"] and n["Labels"].get("gpuvisor-node") == "node-b")
+        poll_until(lambda: _gpu(srv), lambda g: "node-b/cuda:0" in g, timeout=90)
+        # A job there when the parent is SIGKILLed: its agent goes with the parent, and the job with its stdin.
+        r = httpx.post(srv.base_url + "/api/jobs", timeout=30, json={
+            "kind": "sleep", "params": {"steps": 4000, "step_seconds": 0.05, "gpu_ids": ["node-b/cuda:0"]}})
+        assert r.status_code == 201, r.text
+        orphan_id = r.json()["id"]
+        pid = int(poll_until(lambda: _job(srv, orphan_id), lambda j: j["progress"] > 0, timeout=90,
+                             interval=0.2)["pid"])
+        agent = _agent_of(pid)
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(10)
+        poll_until(lambda: (_running(pid), _running(agent.pid)), lambda alive: alive == (False, False),
+                   timeout=ORPHAN_BOUND_S, interval=0.2)
+
+
+def test_a_finetune_on_node_b_saves_a_checkpoint_there_when_cancelled_with_save(cluster: Cluster) -> None:
+    pytest.importorskip("peft", reason="needs the train extra")
+    from tests.tiny_hf import build_tiny_model, write_chat_dataset
+
+    # The nodes share this machine's disk: the paths are the parent's, as on a shared dir.
+    models, data, outputs = short_tempdir("gvm"), short_tempdir("gvd"), short_tempdir("gvo")
+    build_tiny_model(models / "tiny-hf")
+    write_chat_dataset(data / "qa.train.jsonl", repeats=8)
+    srv = Server(models, env={"GPUVISOR_RAY_ADDRESS": cluster.address, "GPUVISOR_WORKER_LISTEN": "tcp:127.0.0.1",
+                              "GPUVISOR_DATASETS_DIR": str(data), "GPUVISOR_OUTPUTS_DIR": str(outputs)})
+    with running(srv):
+        poll_until(lambda: _gpu(srv), lambda g: "node-b/cuda:0" in g, timeout=60)
+        r = httpx.post(srv.base_url + "/api/jobs", timeout=30, json={"kind": "finetune", "params": {
+            "model": "tiny-hf", "train": "qa.train.jsonl", "max_steps": 400, "learning_rate": 5e-3,
+            "batch_size": 4, "gradient_accumulation_steps": 1, "save_steps": 1000,
+            "gpu_ids": ["node-b/cuda:0"]}})
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        running_job = poll_until(lambda: _job(srv, job_id),
+                                 lambda j: j["progress"] >= 2 / 400 or j["status"] not in ("queued", "running"),
+                                 timeout=150, interval=0.3)
+        assert running_job["status"] == "running", running_job
+        pid = int(running_job["pid"])
+        assert f"job process {job_id}.log started on node node-b" in srv.log_text()
+        r = httpx.post(f"{srv.base_url}/api/jobs/{job_id}/cancel", json={"save": True}, timeout=30)
+        assert r.status_code == 200, r.text
+        done = poll_until(lambda: _job(srv, job_id), lambda j: j["status"] not in ("queued", "running"),
+                          timeout=120, interval=0.3)
+        assert done["status"] == "cancelled", done
+        poll_until(lambda: _running(pid), lambda alive: not alive, timeout=ORPHAN_BOUND_S, interval=0.2)
+        saved = []
+        with httpx.stream("GET", f"{srv.base_url}/api/jobs/{job_id}/events", timeout=60) as resp:
+            event = ""
+            for line in resp.iter_lines():
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: ") and event == "metric" and '"checkpoint"' in line:
+                    data_ = json.loads(line[6:])["data"]
+                    saved.append((int(data_["step"]), Path(data_["checkpoint"])))
+        # SIGUSR1 reached it through node-b's agent: it wrote a checkpoint into the shared outputs dir.
+        assert saved and saved[-1][0] >= 2, saved
+        assert saved[-1][1].resolve().is_relative_to(outputs.resolve()) and saved[-1][1].exists(), saved
 
 
 def test_a_node_lost_mid_stream_ends_the_stream_and_the_model_comes_back_on_another_node(
