@@ -245,3 +245,38 @@ def test_off_without_an_embedding_model() -> None:
     assert reply.status_code == 400
     error = reply.json()["error"]
     assert error["param"] == "tools[1].type" and "file_search_embedding_model" in error["message"]
+
+
+async def test_the_agents_sdk_runs_a_turn_with_its_file_search_tool(
+        srv: Server, stores: dict[str, tuple[str, str]]) -> None:
+    agents = pytest.importorskip("agents", reason="the openai-agents package (test extra) is not installed")
+    from openai.types.responses import ResponseFileSearchToolCall as Searched
+
+    from tests.test_clients_sdk import Capture
+
+    store_id, file_id = stores["short"]
+    capture = Capture()
+    client = capture.async_client(srv.base_url)
+    model = agents.OpenAIResponsesModel(model=srv.model, openai_client=client)
+    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=1000)
+    tool = agents.FileSearchTool(vector_store_ids=[store_id], max_num_results=3, include_search_results=True)
+    agent = agents.Agent(name="reader", instructions="Search the files first.", tools=[tool], model=model,
+                         model_settings=settings)
+    config = agents.RunConfig(tracing_disabled=True)
+    ran: list[Any] = []
+    for _ in range(TRIES):
+        # The server ran the search inside the turn: the agent gets the call, its results and the answer.
+        try:
+            result = await agents.Runner.run(agent, "find", run_config=config, max_turns=1)
+        except (agents.MaxTurnsExceeded, agents.ModelBehaviorError):
+            continue  # the random model ran past max_tokens (an incomplete response): no answer in that turn
+        calls = [item.raw_item for item in result.new_items if isinstance(item, agents.ToolCallItem)]
+        assert calls and all(isinstance(c, Searched) for c in calls)
+        ran = [c for c in calls if c.status == "completed"]
+        if ran:
+            break
+    await client.close()
+    assert ran, f"no forced call ran in {TRIES} tries"
+    assert [(r.file_id, r.text) for r in ran[0].results or []] == [(file_id, SHORT_TEXT)]
+    assert isinstance(result.final_output, str)
+    assert capture.validate() > 0
