@@ -155,8 +155,12 @@ def send_until(pg: Any, kind: str, ran: tuple[str, ...]) -> tuple[Any, list[dict
         calls = pg.locator(".msg.assistant").last.locator(f".hosted-call[data-type={kind}]")
         calls.first.wait_for()
         for i in range(calls.count()):
-            if calls.nth(i).get_attribute("data-status") in ran:
+            status = calls.nth(i).get_attribute("data-status")
+            if status in ran:
                 return calls.nth(i), sent
+            if status == "incomplete" and kind != "mcp_call":
+                # Left unfinished by the model, never run: no time to show.
+                assert calls.nth(i).locator(".call-time").inner_text() == "", kind
     raise AssertionError(f"no forced {kind} call ran in {TRIES} tries")
 
 
@@ -335,4 +339,24 @@ def test_a_file_search_shows_its_queries_and_the_chunks_found(page: tuple[Any, A
     assert "heron counts" in call["results"][0]["text"]
     took(ran)
     shoot(pg, screens, "chat-hosted-files", full_page=True)
+    watch.check()
+
+
+def test_a_call_cut_at_the_token_limit_shows_unrun(page: tuple[Any, Any], server: Server) -> None:
+    pg, watch = page
+    open_chat(pg, server)
+    pg.locator("#chat-tool-code_interpreter").check()
+    pg.locator("#chat-require-tool").check()
+    # Too few tokens for the model to close its code: the call never runs.
+    pg.locator("#chat-max-tokens").fill("24")
+    pg.locator("#chat-input").fill("Compute")
+    pg.get_by_role("button", name="Send").click()
+    finished(pg)
+    call = pg.locator(".msg.assistant").last.locator(".hosted-call[data-type=code_interpreter_call]")
+    call.wait_for()
+    assert call.get_attribute("data-status") == "incomplete"
+    assert call.locator(".call-status").inner_text() == "incomplete"
+    assert call.locator(".call-time").inner_text() == ""
+    assert not call.locator(".call-logs").count()
+    assert "cut at the token limit" in pg.locator(".msg.assistant .usage").last.inner_text()
     watch.check()

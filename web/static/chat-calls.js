@@ -50,7 +50,7 @@ export function labelOf(url) {
 export function followCall(calls, ev, now) {
   const find = (id) => calls.find((c) => c.id === id);
   if (ev.type === 'response.output_item.added' && CALL_ITEMS.has(ev.item?.type)) {
-    calls.push({ id: ev.item.id, type: ev.item.type, item: { ...ev.item }, started: null, ended: null });
+    calls.push({ id: ev.item.id, type: ev.item.type, item: { ...ev.item }, started: null, ended: null, ran: false });
     return true;
   }
   if (ev.type === 'response.output_item.done' && CALL_ITEMS.has(ev.item?.type)) {
@@ -58,7 +58,9 @@ export function followCall(calls, ev, now) {
     if (!call) return false;
     call.item = { ...ev.item };
     // A run that failed has no event of its own: its item says so, here.
-    if (call.started !== null && call.ended === null) call.ended = now;
+    // A call the model left unfinished never ran: it has no time to show.
+    if (!call.ran) call.started = null;
+    else if (call.ended === null) call.ended = now;
     return true;
   }
   const phase = PHASE.exec(ev.type);
@@ -70,6 +72,8 @@ export function followCall(calls, ev, now) {
     if (call.type === 'mcp_list_tools') return true;
     if (state === 'in_progress') call.started ??= now;
     else if (state === 'completed' || state === 'failed') call.ended ??= now;
+    // The loop took the call (an mcp_call's in_progress comes only then).
+    if (state === 'interpreting' || state === 'searching' || call.type === 'mcp_call') call.ran = true;
     call.item.status = state;
     return true;
   }
