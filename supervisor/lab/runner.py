@@ -321,12 +321,16 @@ class JobRunner:
         try:
             # A count of devices takes the least used first; named ones are checked.
             devices = params.devices(self.lease.preferred())
-            if self._node_exec is not None and getattr(params, "gpu_ids", None) is None:
-                # A count the first machines could not give on one: a node that has them.
-                devices = self.lease.on_one_machine(devices)
-        except (ParamError, ValueError) as exc:
+        except ParamError as exc:
             await self._finish(active, "failed", error=f"could not get the device: {exc}")
             return
+        if self._node_exec is not None and getattr(params, "gpu_ids", None) is None:
+            try:
+                # A count the first machines could not give on one: a node that has them.
+                devices = self.lease.on_one_machine(devices)
+            except ValueError as exc:
+                await self._finish(active, "failed", error=f"could not get the device: {exc}")
+                return
         if devices and not await self._acquire(active, devices):
             return
         try:
