@@ -171,3 +171,43 @@ def test_bad_approvals_are_refused_naming_the_field(srv: Server, mcp_url: str) -
             reply = _create(srv, **body, background=background)
             assert reply.status_code == 400, (param, reply.text)
             assert reply.json()["error"]["param"] == param, reply.text
+
+
+async def test_the_agents_sdk_approves_through_its_hook(srv: Server, mcp_url: str) -> None:
+    agents = pytest.importorskip("agents", reason="the openai-agents package (test extra) is not installed")
+    from tests.test_clients_sdk import Capture
+
+    asked: list[str] = []
+
+    def approve(request: Any) -> Any:
+        asked.append(request.data.name)
+        return {"approve": True}
+
+    capture = Capture()
+    client = capture.async_client(srv.base_url)
+    model = agents.OpenAIResponsesModel(model=srv.model, openai_client=client)
+    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=120)
+    tool = agents.HostedMCPTool(tool_config=_tool(mcp_url), on_approval_request=approve)
+    agent = agents.Agent(name="counter", instructions="Count.", tools=[tool], model=model, model_settings=settings)
+    config = agents.RunConfig(tracing_disabled=True)
+    before = await _count(mcp_url)
+    calls: list[Any] = []
+    for _ in range(TRIES):
+        asked.clear()
+        # Turn 1 ends with the approval request; the hook approves; turn 2 runs the call first. The
+        # random model then writes on (its tool_choice reset to auto) and may run past max_tokens:
+        # the turns that ran are in the error's run data.
+        try:
+            items = (await agents.Runner.run(agent, "count", run_config=config, max_turns=2)).new_items
+        except (agents.MaxTurnsExceeded, agents.ModelBehaviorError) as exc:
+            items = exc.run_data.new_items if exc.run_data is not None else []
+        calls = [i.raw_item for i in items
+                 if isinstance(i, agents.ToolCallItem) and getattr(i.raw_item, "type", "") == "mcp_call"]
+        if asked and calls:
+            break
+    await client.close()
+    assert asked and asked[0] == "count", "the hook was never asked"
+    assert calls, f"no approved call ran in {TRIES} tries"
+    assert calls[0].approval_request_id and calls[0].status == "completed"
+    assert int(calls[0].output or "0") > before  # it ran on the server once the hook approved it
+    assert capture.validate() > 0
