@@ -66,6 +66,7 @@ class Through:
     to_run: float  # code.done -> interpreting
     in_call: float  # interpreting -> completed
     to_next: float  # completed -> the next generation's first event
+    input_tokens: int  # both generations' prompts together
 
     @property
     def turnaround(self) -> float:
@@ -77,6 +78,7 @@ def _stream_once(http: httpx.Client, url: str) -> Through | None:
     seen: dict[str, float] = {}
     code = None
     call_id = None
+    input_tokens = 0
     with http.stream("POST", url, json=BODY) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
@@ -95,10 +97,21 @@ def _stream_once(http: httpx.Client, url: str) -> Through | None:
             elif ("completed" in seen and "next" not in seen
                   and kind in ("response.output_item.added", "response.completed", "response.incomplete")):
                 seen["next"] = now
+            if kind in ("response.completed", "response.incomplete"):
+                input_tokens = ev["response"]["usage"]["input_tokens"]
     if code is None or not {"interpreting", "completed", "next"} <= seen.keys():
         return None
     return Through(code, seen["interpreting"] - seen["written"], seen["completed"] - seen["interpreting"],
-                   seen["next"] - seen["completed"])
+                   seen["next"] - seen["completed"], input_tokens)
+
+
+def _first_prompt(http: httpx.Client, url: str) -> int:
+    """The first generation's prompt, in tokens (one token generated, no call run)."""
+    body = {**BODY, "stream": False, "max_output_tokens": 1}
+    reply = http.post(url, json=body)
+    reply.raise_for_status()
+    tokens: int = reply.json()["usage"]["input_tokens"]
+    return tokens
 
 
 async def _alone(pool: ContainerPool, code: str) -> float:
@@ -138,6 +151,7 @@ def main() -> None:
         with httpx.Client(timeout=300) as http:
             url = f"{srv.base_url}/v1/responses"
             _stream_once(http, url)  # warm: the model loaded, the first container made
+            first_prompt = _first_prompt(http, url)
             while len(through) < args.runs:
                 tries += 1
                 if tries > args.runs * TRIES_PER_RUN:
@@ -163,6 +177,9 @@ def main() -> None:
     ]
     for label, values in rows:
         print(f"  {label:<46} {_ms(values)}")
+    second = statistics.median([t.input_tokens - first_prompt for t in through])
+    print(f"  the next generation's prompt: {second:.0f} tokens (the first's {first_prompt}, then the call "
+          "and its logs)")
     ratio = statistics.median([t.in_call for t in through]) / statistics.median(alone)
     print(f"  ratio, call through gpuvisor / sandbox alone: {ratio:.2f}")
 
