@@ -243,3 +243,66 @@ async def test_a_silent_job_on_a_node_is_killed_and_a_shutdown_interrupts_one(tm
         done = await lab.runner.store.get(job.id)
         assert done.status == "interrupted" and done.error == "supervisor shut down"
         assert not group_alive(lab.nodes.started[-1].pid)
+
+
+class _Calls:
+    """One method of a fake agent actor: ``.remote()`` answers the next outcome in turn."""
+
+    def __init__(self, outcomes: list[object]) -> None:
+        self.outcomes = outcomes
+        self.sent = 0
+
+    def remote(self, *_: object) -> object:
+        self.sent += 1
+        outcome = self.outcomes.pop(0) if self.outcomes else (b"", None)
+
+        async def answer() -> object:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+
+        return answer()
+
+
+async def test_an_unreachable_agent_is_waited_for_and_a_dead_one_loses_the_job(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """How RayNodeJob reads Ray's errors (Ray's own exception classes; the
+    transport itself is the real-cluster test's): unreachable for a while is
+    not lost, dead is, and the agent's own failure is no node's loss."""
+    ray = pytest.importorskip("ray")
+    from ray import exceptions as rex
+
+    from supervisor.workers import ray_launcher as rl
+
+    def job(outcomes: list[object]) -> tuple[rl.RayNodeJob, _Calls, _Calls, list[str]]:
+        reads, signals = _Calls(outcomes), _Calls([])
+        actor = type("Actor", (), {"read_job": reads, "signal_job": signals})()
+        lost: list[str] = []
+        return (rl.RayNodeJob(rl._Agent("id-b", actor, Path("."), 1), "node-b", 42, ray,
+                              lambda: lost.append("forgotten")), reads, signals, lost)
+
+    blip = rex.ActorUnavailableError("connection reset", None)
+    waited, reads, _, lost = job([blip, (b'{"type":"log"}\n', None), (b"", 0)])
+    assert await waited.read(0.01) == (b"", None)  # unreachable once: asked again
+    assert await waited.read(0.01) == (b'{"type":"log"}\n', None)
+    assert await waited.read(0.01) == (b"", 0) and lost == []
+
+    dead, _, signals, lost = job([rex.ActorDiedError()])
+    with pytest.raises(NodeJobLost, match="node node-b was lost while the job ran"):
+        await dead.read(0.01)
+    assert lost == ["forgotten"]
+    dead.signal(signal.SIGTERM)
+    assert signals.sent == 0  # nothing is sent to a gone agent
+
+    monkeypatch.setattr(rl, "AGENT_CALL_TIMEOUT", 0.05)
+    gone, _, _, lost = job([blip] * 100)
+    with pytest.raises(NodeJobLost, match="unavailable"):
+        for _ in range(100):
+            await gone.read(0.01)
+    assert lost == ["forgotten"]
+
+    own_failure = rex.RayTaskError("read_job", "tb", ValueError("no job with pid 42"))  # type: ignore[no-untyped-call]
+    failed, _, _, lost = job([own_failure])
+    with pytest.raises(rl.ClusterError) as info:
+        await failed.read(0.01)
+    assert not isinstance(info.value, NodeJobLost) and lost == []

@@ -341,21 +341,33 @@ class RayNodeJob:
         self._on_agent_lost = on_agent_lost
         self._lost = False
         self._reaped = False
+        # Since when the agent has been unreachable without being known dead (None: it answers).
+        self._unreachable_since: float | None = None
 
     @property
     def pid(self) -> int:
         return self._pid
 
     async def read(self, wait_s: float) -> tuple[bytes, int | None]:
+        loop = asyncio.get_running_loop()
         try:
             got: tuple[bytes, int | None] = await _bounded(self._agent.actor.read_job.remote(self._pid, wait_s),
                                                            wait_s + AGENT_CALL_TIMEOUT)
         except ClusterError as exc:
-            if isinstance(exc.__cause__, self._ray.exceptions.RayTaskError):
+            cause = exc.__cause__
+            if isinstance(cause, self._ray.exceptions.RayTaskError):
                 raise  # the agent answered with its own failure: not a lost node
+            if isinstance(cause, self._ray.exceptions.ActorUnavailableError):
+                # Unreachable for now (a network blip), not dead: its job may still run there,
+                # so it is lost only once that lasts.
+                since = self._unreachable_since = self._unreachable_since or loop.time()
+                if loop.time() - since < AGENT_CALL_TIMEOUT:
+                    await asyncio.sleep(min(wait_s, 1.0))
+                    return b"", None
             self._lost = True
             self._on_agent_lost()
             raise NodeJobLost(f"node {self._node} was lost while the job ran ({exc})") from exc
+        self._unreachable_since = None
         return got
 
     def signal(self, sig: int) -> None:
