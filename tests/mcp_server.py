@@ -1,6 +1,7 @@
 """A small MCP server for tests, made with the official SDK: ``python -m
 tests.mcp_server`` serves streamable HTTP on 127.0.0.1 (a free port) at
-``/mcp`` and prints ``port <n>`` once it listens. It records the headers each
+``/mcp`` (``--sse``: the HTTP+SSE transport at ``/sse``) and prints
+``port <n>`` once it listens. It records the headers each
 call came with, so tests can see what a client sent; ``hang`` sleeps until
 cancelled, for tests that stop a running call; ``count`` counts its calls."""
 
@@ -61,7 +62,11 @@ def main() -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
-    app = server.streamable_http_app(stateless_http=True, json_response=True)
+    # --sse: the older HTTP+SSE transport, at /sse (messages posted to /messages/).
+    if "--sse" in sys.argv[1:]:
+        app = server.sse_app()
+    else:
+        app = server.streamable_http_app(stateless_http=True, json_response=True)
     config = uvicorn.Config(app, log_level="warning")
     print(f"port {sock.getsockname()[1]}", flush=True)
     uvicorn.Server(config).run(sockets=[sock])

@@ -1,5 +1,9 @@
-"""Talking to one remote MCP server over streamable HTTP, through the
-official ``mcp`` SDK (imported here only, when a request uses it).
+"""Talking to one remote MCP server over streamable HTTP, or over the older
+HTTP+SSE transport for a URL whose path ends in ``/sse`` (where MCP servers
+serve it, beside ``/mcp`` for streamable HTTP), through the official ``mcp``
+SDK (imported here only, when a request uses it). The path decides, rather
+than trying one transport and then the other, so that each operation is one
+connection and a server that fails is not asked twice.
 
 Each operation (list the tools, call one) opens its own connection: no
 session outlives the await that uses it, so a cancelled response leaves
@@ -14,6 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from supervisor.responses.hosted.addresses import AddressRefused, request_allowed
 from supervisor.responses.items import McpToolInfo
@@ -45,21 +50,47 @@ class McpServer:
     allowed: tuple[str, ...]
     timeout_s: float
 
-    @asynccontextmanager
-    async def _client(self) -> AsyncIterator[Any]:
+    @property
+    def transport(self) -> str:
+        """``sse`` for a URL whose path ends in ``/sse``, else ``streamable_http``."""
+        return "sse" if urlsplit(self.url).path.rstrip("/").endswith("/sse") else "streamable_http"
+
+    def _http(self, headers: dict[str, str] | None = None, timeout: Any = None, auth: Any = None) -> Any:
+        """An HTTP client whose every request, redirects included, must pass the allowlist."""
         import httpx2
-        from mcp import Client
-        from mcp.client.streamable_http import streamable_http_client
 
         allowed = self.allowed
+        # The SSE stream names the URL its messages are posted to (often
+        # /messages/ beside /sse), and the SDK holds it to the stream's own
+        # origin: a POST there is allowed once the stream's GET passed.
+        parts = urlsplit(self.url)
+        posts = (*allowed, f"{parts.scheme}://{parts.netloc}/") if self.transport == "sse" else allowed
 
         async def check(request: Any) -> None:
-            request_allowed(str(request.url), allowed)
+            request_allowed(str(request.url), posts if request.method == "POST" else allowed)
 
-        http = httpx2.AsyncClient(headers=self.headers, timeout=httpx2.Timeout(self.timeout_s),
+        return httpx2.AsyncClient(headers={**self.headers, **(headers or {})},
+                                  timeout=timeout or httpx2.Timeout(self.timeout_s), auth=auth,
                                   event_hooks={"request": [check]})
-        async with http:
+
+    @asynccontextmanager
+    async def _client(self) -> AsyncIterator[Any]:
+        from mcp import Client
+
+        if self.transport == "sse":
+            from mcp.client.sse import sse_client
+
+            # The SSE stream is one long GET: it may be quiet between
+            # events for as long as a call may take.
+            link = sse_client(self.url, timeout=self.timeout_s, sse_read_timeout=self.timeout_s,
+                              httpx_client_factory=self._http)
             # "legacy": the initialize handshake every MCP server speaks.
+            async with Client(link, mode="legacy", read_timeout_seconds=self.timeout_s) as client:
+                yield client
+            return
+        from mcp.client.streamable_http import streamable_http_client
+
+        async with self._http() as http:
             async with Client(streamable_http_client(self.url, http_client=http), mode="legacy",
                               read_timeout_seconds=self.timeout_s) as client:
                 yield client
