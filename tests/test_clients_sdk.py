@@ -200,6 +200,11 @@ AGENTS = {
 HOSTED: list[dict[str, Any]] = [
     {"type": "image_generation"},
     {"type": "local_shell"},
+    # Off on this server: not offered, and no 400 (agent clients such as the
+    # Codex CLI send web_search whatever the server runs).
+    {"type": "web_search"},
+    {"type": "file_search", "vector_store_ids": ["vs_1"]},
+    {"type": "code_interpreter", "container": {"type": "auto"}},
 ]
 
 

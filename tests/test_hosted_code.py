@@ -281,12 +281,17 @@ def _sandbox_processes(server: Server) -> list[int]:
 def test_off_by_default_and_named_when_the_sandbox_cannot_be_made(tmp_path: Any) -> None:
     models = short_tempdir("gvm")
     write_tiny_gguf(models / "tiny.gguf", n_ctx=1024)
+    forced = {"type": "code_interpreter"}
     with running(Server(models, model="tiny")) as server:
-        off = _create(server, input="x", tools=[AUTO])
+        off = _create(server, input="x", tools=[AUTO], tool_choice=forced)
+        # Not insisted on, a tool that is off is not offered, and the request is served.
+        served = _create(server, input="x", tools=[AUTO], max_output_tokens=4)
+    assert served.status_code == 200, served.text
+    assert [o["type"] for o in served.json()["output"]] == ["message"]
     missing = os.path.join(str(tmp_path), "no-python")
     env = {"GPUVISOR_CODE_INTERPRETER": "true", "GPUVISOR_CODE_INTERPRETER_PYTHON": missing}
     with running(Server(models, model="tiny", env=env)) as server:
-        broken = _create(server, input="x", tools=[{"type": "function", "name": "f"}, AUTO])
+        broken = _create(server, input="x", tools=[{"type": "function", "name": "f"}, AUTO], tool_choice=forced)
     for reply, index, why in ((off, 0, "setting code_interpreter"), (broken, 1, "cannot be enabled")):
         assert reply.status_code == 400
         error = reply.json()["error"]

@@ -68,9 +68,10 @@ def test_every_tool_is_off_by_default_and_names_its_setting(plain: Server) -> No
     for t in tools.values():
         assert t["reason"], t
     assert "server_urls" not in tools["mcp"]
-    # The page's reason is the request's: a request with the tool is refused with it.
+    # The page's reason is the request's: a request insisting on the tool is refused with it.
     refused = httpx.post(f"{plain.base_url}/v1/responses", timeout=30, json={
-        "model": "any", "input": "hi", "tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]})
+        "model": "any", "input": "hi", "tools": [{"type": "code_interpreter", "container": {"type": "auto"}}],
+        "tool_choice": {"type": "code_interpreter"}})
     assert refused.status_code == 400, refused.text
     assert tools["code_interpreter"]["reason"] in refused.json()["error"]["message"]
 

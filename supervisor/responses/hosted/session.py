@@ -33,8 +33,10 @@ from supervisor.generation.tools import (
     offer,
     resolve,
 )
+from supervisor.knowledge.service import Knowledge
 from supervisor.responses.hosted.addresses import checked_server_url, url_problem
 from supervisor.responses.hosted.approvals import approved_calls, asks, check_policy, request_item
+from supervisor.responses.hosted.availability import available
 from supervisor.responses.hosted.code_interpreter import CodeSession, Containers, open_code, refuse_code
 from supervisor.responses.hosted.file_search import FileSession, KnowledgeRef, open_files
 from supervisor.responses.hosted.mcp_client import McpFailed, McpServer
@@ -188,15 +190,25 @@ async def refuse_early(valid: ValidRequest, history: list[Item], settings: Hoste
     request answers them as a 400 before it is queued): file_search's
     stores are looked up too, in the database, and the approvals answered."""
     approved_calls(history, valid.items, {t.server_label for _, t in mcp_tools(valid)})
-    refuse_code(valid.body.tools, containers or Containers(), owner)
-    refuse_web(valid.body.tools, settings)
-    await open_files(valid.body.tools, [], knowledge() if knowledge is not None else None, owner)
+    found = knowledge() if knowledge is not None else None
+    tools = _available(valid, settings, containers or Containers(), found)
+    refuse_code(tools, containers or Containers(), owner)
+    refuse_web(tools, settings)
+    await open_files(tools, [], found, owner)
     for i, tool in mcp_tools(valid):
         _refuse(tool, i, settings)
         problem = url_problem(tool.server_url or "", settings.mcp_allowed_urls)
         if problem is not None:
             raise BadRequest(f"mcp tool tools[{i}]: {problem}", param=f"tools[{i}].server_url",
                              code="mcp_url_refused")
+
+
+def _available(valid: ValidRequest, settings: HostedSettings, containers: Containers,
+               knowledge: Knowledge | None) -> list[Any]:
+    """The request's tools less the hosted ones off here that it does not insist on."""
+    off = {"code_interpreter": containers.pool is None, "web_search": not settings.web_search_url,
+           "file_search": knowledge is None or not knowledge.embedder.model}
+    return available(valid.body.tools, valid.body.tool_choice, lambda kind: off[kind])
 
 
 def _listed_before(items: list[Item], label: str) -> McpListToolsItem | None:
@@ -225,10 +237,11 @@ async def open_session(valid: ValidRequest, history: list[Item], settings: Hoste
     stores file_search may search. Raises BadRequest / McpListFailed."""
     session = HostedSession(settings)
     conversation = [*history, *valid.items]
-    session.code = open_code(valid.body.tools, conversation, containers or Containers(), owner)
-    session.web = open_web(valid.body.tools, conversation, settings)
-    session.files = await open_files(valid.body.tools, conversation, knowledge() if knowledge else None, owner,
-                                     valid.caller, list(valid.body.include or []))
+    found = knowledge() if knowledge else None
+    tools = _available(valid, settings, containers or Containers(), found)
+    session.code = open_code(tools, conversation, containers or Containers(), owner)
+    session.web = open_web(tools, conversation, settings)
+    session.files = await open_files(tools, conversation, found, owner, valid.caller, list(valid.body.include or []))
     if session.web is not None and session.files is not None:
         # One numbering over both tools' results: a [n] the model writes names one.
         session.web.others.append(session.files.results)
