@@ -142,8 +142,9 @@ async def library_ctx(app: web.Application) -> AsyncIterator[None]:
     hub = hub_cache.resolve(cfg.hf_cache_dir)
     if hub.listed:
         log.info("listing the models of the Hugging Face cache %s", hub.path)
-    library = ModelLibrary(dirs, hub.scan_dir,
-                           settle_s=cfg.library_settle_s, vllm_python=cfg.vllm_python or None)
+    library = ModelLibrary(dirs, hub.scan_dir, settle_s=cfg.library_settle_s,
+                           vllm_python=cfg.vllm_python or None,
+                           adapter_dirs=[Path(cfg.outputs_dir)] if cfg.outputs_dir else [])
     app[LIBRARY] = library
     stop = asyncio.Event()
     watcher = asyncio.create_task(library.watch_supervised(stop), name="library-watch")

@@ -55,11 +55,14 @@ def srv() -> Iterator[Server]:
     build_vllm_model(models / MODEL, max_position_embeddings=N_CTX)
     # Rank 20: vLLM's max_lora_rank takes a few values only (16, 32, ...); the worker must pick 32.
     random_adapter(models / MODEL, models / ADAPTER, seed=1, r=20, alpha=40)
+    # Where a fine-tune job writes its adapter: served as MODEL:run1-lora with no export.
+    outputs = short_tempdir("gvo")
+    random_adapter(models / MODEL, outputs / "run1" / "adapter", seed=2, r=8, alpha=16)
     hub = models.parent / f"{models.name}-hub"
     put_in_hub_cache(models / MODEL, hub, HUB_MODEL)
     _swapped_vocab(models / MODEL, models / OTHER_VOCAB)
     env = {"GPUVISOR_VLLM_PYTHON": VLLM_PYTHON, "GPUVISOR_PARALLEL": "2", "GPUVISOR_N_CTX": str(N_CTX),
-           "HF_HUB_CACHE": str(hub)}
+           "HF_HUB_CACHE": str(hub), "GPUVISOR_OUTPUTS_DIR": str(outputs)}
     config = models.parent / f"{models.name}.toml"
     config.write_text(f'[model_defaults."{HUB_MODEL}"]\nspeculative = "ngram"\ndraft_max = {DRAFT_MAX}\n')
     with running(Server(models, env=env, model=MODEL, args=["--config", str(config)])) as server:
@@ -314,6 +317,23 @@ def test_a_peft_adapter_is_served_on_its_base(srv: Server) -> None:
     refused = answer(pair, lora_scale=0.5)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_request", refused.text
     assert srv.worker(MODEL)["pid"] == pid  # served by the one worker, never reloaded
+
+
+def test_a_finetunes_adapter_is_served_from_the_outputs_dir_without_an_export(srv: Server) -> None:
+    pair = f"{MODEL}:run1-lora"
+    listed = httpx.get(srv.base_url + "/api/models", timeout=10).json()
+    [adapter] = [a for a in listed["adapters"] if a["id"] == "run1-lora"]
+    assert adapter["usable"] and [(lk["model"], lk["fits"]) for lk in adapter["links"]] == [(pair, True)]
+    assert not any(p.suffix == ".gguf" for p in srv.models_dir.iterdir())  # nothing was exported
+
+    def answer(model: str) -> str:
+        r = httpx.post(srv.base_url + "/v1/chat/completions",
+                       json={**_body(24), "stream": False, "model": model}, timeout=120)
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["message"]["content"])
+
+    assert answer(pair) != answer(MODEL)  # greedy both: the adapter changed the output
+    assert answer(pair) != answer(f"{MODEL}:{ADAPTER}")  # and it is this adapter, not the other one
 
 
 def test_an_image_is_refused_naming_it_since_vllm_workers_serve_text_only(srv: Server) -> None:

@@ -97,8 +97,12 @@ class ModelLibrary:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         vllm_python: str | None = None,
+        adapter_dirs: Sequence[Path] = (),
     ) -> None:
         self.model_dirs = [Path(d) for d in model_dirs]
+        # Fine-tune outputs dirs: their adapters are served on an hf base at
+        # once, with no export (supervisor/models/peft_adapters.py).
+        self.adapter_dirs = [Path(d) for d in adapter_dirs]
         self.hf_cache_dir = Path(hf_cache_dir) if hf_cache_dir is not None else None
         self.settle_s = settle_s
         self._clock = clock
@@ -176,13 +180,13 @@ class ModelLibrary:
             if self.hf_cache_dir is not None:
                 for entry in self._hf.scan_hub(self.hf_cache_dir, snapshots, self._settled, pending, seen):
                     self._add(entries, entry)
-            peft = peft_adapters.scan(self.model_dirs, entries, self._settled, pending, seen)
+            peft = peft_adapters.scan(self.model_dirs, entries, self._settled, pending, seen, self.adapter_dirs)
             self._pending = pending
             alive = seen | {f for e in entries.values() for f in e.files}
             self._looks = {p: v for p, v in self._looks.items() if p in seen}
             self._headers = {p: v for p, v in self._headers.items() if p in alive}
             entries, adapters = self._linker.split(entries, alive)
-            entries, adapters = self._with_peft(entries, adapters, peft)
+            entries, adapters = self._with_peft(entries, adapters, peft, self.adapter_dirs)
             if entries != self._entries or adapters != self._adapters:
                 self._entries = entries
                 self._adapters = adapters
@@ -192,14 +196,18 @@ class ModelLibrary:
 
     @staticmethod
     def _with_peft(entries: dict[str, ModelEntry], adapters: dict[str, AdapterEntry],
-                   found: dict[str, AdapterEntry]) -> tuple[dict[str, ModelEntry], dict[str, AdapterEntry]]:
+                   found: dict[str, AdapterEntry], outputs: Sequence[Path] = ()
+                   ) -> tuple[dict[str, ModelEntry], dict[str, AdapterEntry]]:
         """The PEFT adapter dirs (supervisor/models/peft_adapters.py) added to
         the adapters, and each to the ``hf`` base it fits."""
         refs: dict[str, builtins.list[AdapterRef]] = {}
         for adapter in found.values():
             if adapter.id in adapters:
-                log.warning("adapter id %s: %s is shadowed by %s", adapter.id, adapter.path,
-                            adapters[adapter.id].path)
+                # A fine-tune's adapter and its GGUF export share the id by
+                # design: the GGUF serves, and that is no news for every scan.
+                twin = any(Path(adapter.path).is_relative_to(d) for d in outputs)
+                log.log(logging.DEBUG if twin else logging.WARNING, "adapter id %s: %s is shadowed by %s",
+                        adapter.id, adapter.path, adapters[adapter.id].path)
                 continue
             adapters[adapter.id] = adapter
             for lk in adapter.links:

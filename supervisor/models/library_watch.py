@@ -25,7 +25,7 @@ log = logging.getLogger("supervisor.models.library")
 
 def source_roots(lib: ModelLibrary) -> list[Path]:
     """The library's sources that exist now."""
-    roots = list(lib.model_dirs)
+    roots = [*lib.model_dirs, *lib.adapter_dirs]
     if lib.hf_cache_dir is not None:
         roots.append(lib.hf_cache_dir)
     return [r for r in roots if r.is_dir()]

@@ -35,6 +35,22 @@ def adapter_dirs(root: Path) -> Iterator[Path]:
             yield Path(dirpath)
 
 
+def output_adapter_dirs(root: Path) -> Iterator[tuple[str, Path]]:
+    """The adapters fine-tune jobs wrote under an outputs dir, as (id, dir):
+    ``<root>/<output>/adapter`` is ``<output>-lora``, the name its GGUF
+    export takes, so that it is one adapter whichever form the library has
+    (a GGUF of the same id wins: llama.cpp serves it without vLLM). The
+    checkpoints beside it are not listed: they are steps, not results."""
+    try:
+        runs = sorted(p for p in root.iterdir() if not p.name.startswith(".") and not p.is_symlink())
+    except OSError:
+        return
+    for run in runs:
+        adapter = run / "adapter"
+        if not adapter.is_symlink() and (adapter / CONFIG).is_file() and (adapter / WEIGHTS).is_file():
+            yield f"{run.name}-lora", adapter
+
+
 def base_ref(config_path: Path) -> str:
     """What the adapter names as its base (``base_model_name_or_path``); "" if nothing.
     Raises OSError or ValueError for a config that cannot be read."""
@@ -65,21 +81,27 @@ def find_base(ref: str, adapter_dir: Path, bases: Iterable[ModelEntry]) -> Model
 
 
 def scan(roots: Iterable[Path], bases: dict[str, ModelEntry], settled: Settled,
-         pending: set[str], seen: set[str]) -> dict[str, AdapterEntry]:
-    """The settled PEFT adapters of every root, each linked to its base (or
+         pending: set[str], seen: set[str], outputs: Iterable[Path] = ()) -> dict[str, AdapterEntry]:
+    """The settled PEFT adapters of every root and of the fine-tunes in
+    ``outputs`` (:func:`output_adapter_dirs`), each linked to its base (or
     listed with the reason it has none)."""
-    out: dict[str, AdapterEntry] = {}
+    found: list[tuple[str, Path]] = []
     for root in roots:
-        if not root.is_dir():
-            continue
-        for adapter_dir in adapter_dirs(root):
-            entry = _adapter(root, adapter_dir, bases, settled, pending, seen)
-            if entry is not None and entry.id not in out:
-                out[entry.id] = entry
+        if root.is_dir():
+            for adapter_dir in adapter_dirs(root):
+                rel = adapter_dir.relative_to(root).as_posix()
+                found.append((adapter_dir.name if rel == "." else rel, adapter_dir))
+    for root in outputs:
+        found.extend(output_adapter_dirs(root))
+    out: dict[str, AdapterEntry] = {}
+    for adapter_id, adapter_dir in found:
+        entry = _adapter(adapter_id, adapter_dir, bases, settled, pending, seen)
+        if entry is not None and entry.id not in out:
+            out[entry.id] = entry
     return out
 
 
-def _adapter(root: Path, adapter_dir: Path, bases: dict[str, ModelEntry], settled: Settled,
+def _adapter(adapter_id: str, adapter_dir: Path, bases: dict[str, ModelEntry], settled: Settled,
              pending: set[str], seen: set[str]) -> AdapterEntry | None:
     files = [adapter_dir / CONFIG, adapter_dir / WEIGHTS]
     try:
@@ -91,8 +113,6 @@ def _adapter(root: Path, adapter_dir: Path, bases: dict[str, ModelEntry], settle
     if waiting:
         pending.update(waiting)
         return None
-    rel = adapter_dir.relative_to(root).as_posix()
-    adapter_id = adapter_dir.name if rel == "." else rel
     links: list[AdapterLink] = []
     reason: str | None = None
     try:
