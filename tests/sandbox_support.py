@@ -41,3 +41,16 @@ def find_python() -> tuple[str | None, list[str]]:
                 return python, []
             reasons.append(reason)
     return None, reasons
+
+
+def sandbox_python_or_skip() -> str:
+    """For a fixture: a Python the sandbox runs here. Skips where this
+    machine permits no sandbox (namespaces may be unavailable), and fails
+    where the sandbox would have a network: that is a bug, not a machine."""
+    import pytest
+
+    python, reasons = find_python()
+    if python is None:
+        (pytest.fail if any("has a network" in r for r in reasons) else pytest.skip)(
+            "no sandbox on this machine: " + "; ".join(reasons))
+    return python

@@ -28,7 +28,7 @@ from openai.types.responses.response_code_interpreter_tool_call import ResponseC
 from pydantic import TypeAdapter
 
 from supervisor.models.demo import write_tiny_gguf
-from tests.sandbox_support import find_python
+from tests.sandbox_support import sandbox_python_or_skip
 from tests.server import Server, running, short_tempdir
 
 pytestmark = pytest.mark.timeout(240)
@@ -44,11 +44,7 @@ TRIES = 12
 
 @pytest.fixture(scope="module")
 def sandbox_python() -> str:
-    python, reasons = find_python()
-    if python is None:
-        (pytest.fail if any("has a network" in r for r in reasons) else pytest.skip)(
-            "no sandbox on this machine: " + "; ".join(reasons))
-    return python
+    return sandbox_python_or_skip()
 
 
 def _server(python: str, **env: str) -> Server:

@@ -26,7 +26,7 @@ from supervisor.responses.hosted.settings import HostedSettings
 from supervisor.responses.items import CodeInterpreterCallItem, encode_item
 from supervisor.sandbox.containers import ContainerPool
 from supervisor.sandbox.runner import INIT_SCRIPT, SandboxSpec
-from tests.sandbox_support import FAST, find_python
+from tests.sandbox_support import FAST, sandbox_python_or_skip
 
 pytestmark = pytest.mark.timeout(90)
 AUTO = [CodeInterpreterTool(container=CodeInterpreterAuto())]
@@ -34,12 +34,7 @@ AUTO = [CodeInterpreterTool(container=CodeInterpreterAuto())]
 
 @pytest.fixture(scope="session")
 def sandbox_python() -> str:
-    python, reasons = find_python()
-    if python is None:
-        # Namespaces may be unavailable here; a sandbox with a network is a bug.
-        (pytest.fail if any("has a network" in r for r in reasons) else pytest.skip)(
-            "no sandbox on this machine: " + "; ".join(reasons))
-    return python
+    return sandbox_python_or_skip()
 
 
 @pytest.fixture

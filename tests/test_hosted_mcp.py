@@ -6,8 +6,6 @@ then answers. Items and events validate strictly as the SDK's types."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,7 +23,8 @@ from supervisor.responses.hosted.mcp_client import McpServer
 from supervisor.responses.hosted.session import HostedSession, ServerTools
 from supervisor.responses.hosted.settings import HostedSettings
 from supervisor.responses.items import McpCallItem
-from tests.server import REPO, Server, running, short_tempdir
+from tests.mcp_support import mcp_server
+from tests.server import Server, running, short_tempdir
 
 EVENT: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 ITEM: TypeAdapter[Any] = TypeAdapter(ResponseItem)
@@ -33,16 +32,8 @@ ITEM: TypeAdapter[Any] = TypeAdapter(ResponseItem)
 
 @pytest.fixture(scope="module")
 def mcp_url() -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.mcp_server"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("port "), line
-        yield f"http://127.0.0.1:{int(line.split()[1])}/mcp"
-    finally:
-        proc.kill()
-        proc.wait()
+    with mcp_server() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

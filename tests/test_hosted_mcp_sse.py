@@ -6,8 +6,6 @@ end, a forced call through the service runs on the SSE server."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
@@ -17,21 +15,14 @@ from openai.types.responses.response_output_item import McpCall
 
 from supervisor.models.demo import write_tiny_gguf
 from supervisor.responses.hosted.mcp_client import McpFailed, McpServer
-from tests.server import REPO, Server, running, short_tempdir
+from tests.mcp_support import mcp_server
+from tests.server import Server, running, short_tempdir
 
 
 @pytest.fixture(scope="module")
 def sse_url() -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.mcp_server", "--sse"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("port "), line
-        yield f"http://127.0.0.1:{int(line.split()[1])}/sse"
-    finally:
-        proc.kill()
-        proc.wait()
+    with mcp_server(sse=True) as url:
+        yield url
 
 
 async def test_tools_are_listed_and_called_over_sse(sse_url: str) -> None:

@@ -18,19 +18,14 @@ from supervisor.sandbox.containers import ContainerError, ContainerPool, PoolFul
 from supervisor.sandbox.outputs import call_outputs, call_status
 from supervisor.sandbox.runner import SandboxSpec, run_code
 from supervisor.sandbox.settings import hidden_paths, open_pool
-from tests.sandbox_support import FAST, find_python
+from tests.sandbox_support import FAST, sandbox_python_or_skip
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="session")
 def sandbox_python() -> str:
-    python, reasons = find_python()
-    if python is None:
-        # Namespaces may be unavailable here; a sandbox with a network is a bug.
-        (pytest.fail if any("has a network" in r for r in reasons) else pytest.skip)(
-            "no sandbox on this machine: " + "; ".join(reasons))
-    return python
+    return sandbox_python_or_skip()
 
 
 @pytest.fixture

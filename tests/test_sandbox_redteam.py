@@ -22,7 +22,7 @@ import pytest
 
 from supervisor.sandbox import init
 from supervisor.sandbox.runner import INIT_SCRIPT, SandboxLimits, SandboxSpec, init_spec, run_code
-from tests.sandbox_support import FAST, find_python
+from tests.sandbox_support import FAST, sandbox_python_or_skip
 
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[1]
@@ -30,12 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def sandbox_python() -> str:
-    python, reasons = find_python()
-    if python is None:
-        # Namespaces may be unavailable here; a sandbox with a network is a bug.
-        (pytest.fail if any("has a network" in r for r in reasons) else pytest.skip)(
-            "no sandbox on this machine: " + "; ".join(reasons))
-    return python
+    return sandbox_python_or_skip()
 
 
 @pytest.fixture

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,7 +36,8 @@ from tests.browser import screens_fixture as screens  # noqa: F401 (a fixture)
 from tests.browser import DESKTOP, NARROW, new_page, shoot
 from tests.sandbox_support import find_python
 from tests.searxng_fake import RESULTS, FakeSearxng
-from tests.server import REPO, Server, poll_until, running, short_tempdir
+from tests.mcp_support import mcp_server
+from tests.server import Server, poll_until, running, short_tempdir
 
 pytestmark = pytest.mark.timeout(300)
 N_CTX = 8192
@@ -56,16 +55,8 @@ def search() -> Iterator[FakeSearxng]:
 
 @pytest.fixture(scope="module")
 def mcp_url() -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.mcp_server"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("port "), line
-        yield f"http://127.0.0.1:{int(line.split()[1])}/mcp"
-    finally:
-        proc.kill()
-        proc.wait()
+    with mcp_server() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
