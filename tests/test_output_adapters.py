@@ -1,7 +1,6 @@
 """A fine-tune's adapter in the outputs dir is in the library at once:
-``<outputs>/<run>/adapter`` is the adapter ``<run>-lora`` on the Hugging Face
-base it names, served by vLLM with no export; its checkpoints are not listed,
-and a GGUF export of the same name (llama.cpp's form) takes its place."""
+``<outputs>/<run>/adapter`` is the adapter ``<run>`` on the Hugging Face base
+it names, served by vLLM with no export; its checkpoints are not listed."""
 
 from __future__ import annotations
 
@@ -33,11 +32,11 @@ def test_a_finetunes_adapter_is_listed_on_its_base_and_its_checkpoints_are_not(t
     (outputs / "notes.txt").write_text("not a run")
     lib = _library(models, outputs)
     [listed] = lib.adapters()
-    assert (listed.id, listed.path, listed.usable) == ("run1-lora", str(adapter), True)
-    assert [(lk.base, lk.id, lk.fits) for lk in listed.links] == [("tiny-twin", "tiny-twin:run1-lora", True)]
-    assert lib.pair("tiny-twin:run1-lora") is not None
+    assert (listed.id, listed.path, listed.usable) == ("run1", str(adapter), True)
+    assert [(lk.base, lk.id, lk.fits) for lk in listed.links] == [("tiny-twin", "tiny-twin:run1", True)]
+    assert lib.pair("tiny-twin:run1") is not None
     entry = lib.get("tiny-twin")
-    assert entry is not None and [a.id for a in entry.adapters] == ["run1-lora"]
+    assert entry is not None and [a.id for a in entry.adapters] == ["run1"]
 
 
 def test_an_adapter_whose_base_is_not_in_the_library_says_why(tmp_path: Path) -> None:
@@ -47,7 +46,7 @@ def test_an_adapter_whose_base_is_not_in_the_library_says_why(tmp_path: Path) ->
     random_adapter(base, outputs / "run2" / "adapter", seed=2)
     shutil.rmtree(base)
     [listed] = _library(models, outputs).adapters()
-    assert listed.id == "run2-lora" and not listed.usable and listed.links == []
+    assert listed.id == "run2" and not listed.usable and listed.links == []
     assert listed.reason is not None and "base model" in listed.reason
 
 

@@ -55,7 +55,7 @@ def srv() -> Iterator[Server]:
     build_vllm_model(models / MODEL, max_position_embeddings=N_CTX)
     # Rank 20: vLLM's max_lora_rank takes a few values only (16, 32, ...); the worker must pick 32.
     random_adapter(models / MODEL, models / ADAPTER, seed=1, r=20, alpha=40)
-    # Where a fine-tune job writes its adapter: served as MODEL:run1-lora with no export.
+    # Where a fine-tune job writes its adapter: served as MODEL:run1 with no export.
     outputs = short_tempdir("gvo")
     random_adapter(models / MODEL, outputs / "run1" / "adapter", seed=2, r=8, alpha=16)
     hub = models.parent / f"{models.name}-hub"
@@ -320,9 +320,9 @@ def test_a_peft_adapter_is_served_on_its_base(srv: Server) -> None:
 
 
 def test_a_finetunes_adapter_is_served_from_the_outputs_dir_without_an_export(srv: Server) -> None:
-    pair = f"{MODEL}:run1-lora"
+    pair = f"{MODEL}:run1"
     listed = httpx.get(srv.base_url + "/api/models", timeout=10).json()
-    [adapter] = [a for a in listed["adapters"] if a["id"] == "run1-lora"]
+    [adapter] = [a for a in listed["adapters"] if a["id"] == "run1"]
     assert adapter["usable"] and [(lk["model"], lk["fits"]) for lk in adapter["links"]] == [(pair, True)]
     assert not any(p.suffix == ".gguf" for p in srv.models_dir.iterdir())  # nothing was exported
 

@@ -186,7 +186,7 @@ class ModelLibrary:
             self._looks = {p: v for p, v in self._looks.items() if p in seen}
             self._headers = {p: v for p, v in self._headers.items() if p in alive}
             entries, adapters = self._linker.split(entries, alive)
-            entries, adapters = self._with_peft(entries, adapters, peft, self.adapter_dirs)
+            entries, adapters = self._with_peft(entries, adapters, peft)
             if entries != self._entries or adapters != self._adapters:
                 self._entries = entries
                 self._adapters = adapters
@@ -196,18 +196,14 @@ class ModelLibrary:
 
     @staticmethod
     def _with_peft(entries: dict[str, ModelEntry], adapters: dict[str, AdapterEntry],
-                   found: dict[str, AdapterEntry], outputs: Sequence[Path] = ()
-                   ) -> tuple[dict[str, ModelEntry], dict[str, AdapterEntry]]:
+                   found: dict[str, AdapterEntry]) -> tuple[dict[str, ModelEntry], dict[str, AdapterEntry]]:
         """The PEFT adapter dirs (supervisor/models/peft_adapters.py) added to
         the adapters, and each to the ``hf`` base it fits."""
         refs: dict[str, builtins.list[AdapterRef]] = {}
         for adapter in found.values():
             if adapter.id in adapters:
-                # A fine-tune's adapter and its GGUF export share the id by
-                # design: the GGUF serves, and that is no news for every scan.
-                twin = any(Path(adapter.path).is_relative_to(d) for d in outputs)
-                log.log(logging.DEBUG if twin else logging.WARNING, "adapter id %s: %s is shadowed by %s",
-                        adapter.id, adapter.path, adapters[adapter.id].path)
+                log.warning("adapter id %s: %s is shadowed by %s", adapter.id, adapter.path,
+                            adapters[adapter.id].path)
                 continue
             adapters[adapter.id] = adapter
             for lk in adapter.links:

@@ -37,10 +37,10 @@ def adapter_dirs(root: Path) -> Iterator[Path]:
 
 def output_adapter_dirs(root: Path) -> Iterator[tuple[str, Path]]:
     """The adapters fine-tune jobs wrote under an outputs dir, as (id, dir):
-    ``<root>/<output>/adapter`` is ``<output>-lora``, the name its GGUF
-    export takes, so that it is one adapter whichever form the library has
-    (a GGUF of the same id wins: llama.cpp serves it without vLLM). The
-    checkpoints beside it are not listed: they are steps, not results."""
+    ``<root>/<output>/adapter`` is ``<output>``, served on its hf base as
+    ``<base>:<output>`` with no export. Not ``<output>-lora``: that is the
+    name the job page's "Try it" gives its GGUF export, which it looks for.
+    The checkpoints beside it are not listed: they are steps, not results."""
     try:
         runs = sorted(p for p in root.iterdir() if not p.name.startswith(".") and not p.is_symlink())
     except OSError:
@@ -48,7 +48,7 @@ def output_adapter_dirs(root: Path) -> Iterator[tuple[str, Path]]:
     for run in runs:
         adapter = run / "adapter"
         if not adapter.is_symlink() and (adapter / CONFIG).is_file() and (adapter / WEIGHTS).is_file():
-            yield f"{run.name}-lora", adapter
+            yield run.name, adapter
 
 
 def base_ref(config_path: Path) -> str:

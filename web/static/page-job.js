@@ -53,25 +53,16 @@ const jobLink = (kind, params, text) => {
 };
 
 // "Try it": a fine-tune's adapter served on its base model, in the chat.
-// The library lists a fine-tune's adapter as <output>-lora: served as it is
-// (vLLM) when it fits a Hugging Face base that can serve, else exported to a
-// GGUF LoRA adapter of that name first (llama.cpp); then the chat opens with
-// <base>:<adapter> once the model library links them.
+// The adapter is exported to a GGUF LoRA adapter first unless it was; then
+// the chat opens with <base>:<adapter> once the model library links them.
 const TRY_WAIT_MS = 120000;
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
-
-// Whether the library has adapter `id` on a base that can serve it now.
-function servable(body, id) {
-  const usable = new Set((body.data || []).filter((m) => m.usable).map((m) => m.id));
-  const adapter = (body.adapters || []).find((a) => a.id === id);
-  return Boolean(adapter?.usable && adapter.links.some((l) => l.fits && usable.has(l.base)));
-}
 
 async function exportedAdapter(r, say) {
   if (r.adapter_export?.adapter) return r.adapter_export.adapter;
   if (r.adapter?.adapter) return r.adapter.adapter; // an export job of an adapter
   const name = `${base(r.output_dir)}-lora`;
-  if (servable(await getJson('api/models'), name)) return name; // served as it is, or exported before
+  if (((await getJson('api/models')).adapters || []).some((a) => a.id === name)) return name; // exported before
   say('Exporting the adapter…');
   let job;
   try {
@@ -88,16 +79,14 @@ async function exportedAdapter(r, say) {
   throw new Error('the adapter export is taking long; see the jobs page');
 }
 
-async function pairFor(adapterId, r, say) {
+async function pairFor(adapterId, say) {
   say('Waiting for the model library…');
   for (const until = Date.now() + TRY_WAIT_MS; Date.now() < until; await sleep(500)) {
     const body = await getJson('api/models');
     const adapter = (body.adapters || []).find((a) => a.id === adapterId);
     const link = adapter?.links.find((l) => l.fits);
-    if (link && servable(body, adapterId)) return link.model;
-    // The fine-tune's own dir, listed under the same id until its export
-    // replaces it, may say why it cannot serve: that is why it was exported.
-    if (adapter && !adapter.usable && adapter.path !== r.adapter_path) throw new Error(adapter.reason);
+    if (link) return link.model;
+    if (adapter && !adapter.usable) throw new Error(adapter.reason);
   }
   throw new Error(`the library never listed adapter ${adapterId}`);
 }
@@ -108,8 +97,7 @@ function tryItButton(r) {
   button.addEventListener('click', async () => {
     button.disabled = true;
     try {
-      const say = (t) => { note.textContent = t; };
-      const pair = await pairFor(await exportedAdapter(r, say), r, say);
+      const pair = await pairFor(await exportedAdapter(r, (t) => { note.textContent = t; }), (t) => { note.textContent = t; });
       window.location.hash = `#/chat?model=${encodeURIComponent(pair)}`;
     } catch (err) {
       replace(note, errorBox(err, 'Try it failed'));
