@@ -22,11 +22,9 @@ Run: python bench/vllm_serve.py [--tokens 512] [--runs 3]
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -37,12 +35,16 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.vllm_stream import MODEL, N_CTX, PARALLEL, PROMPT, STREAMS, Stream, aggregate_tps, median_ttft  # noqa: E402
-from bench.vllm_stream import openai_streams  # noqa: E402
-from supervisor.config import default_vllm_python  # noqa: E402
+from bench.vllm_stream import (  # noqa: E402
+    MODEL,
+    N_CTX,
+    PARALLEL,
+    measure,
+    openai_side,
+    report,
+    served_model,
+)
 from supervisor.lab.job_process import child_environ  # noqa: E402
-from tests.server import Server, running, short_tempdir  # noqa: E402
-from tests.tiny_hf import build_vllm_model  # noqa: E402
 
 # vLLM's own server imports torch and starts its engine core: minutes on a busy CPU.
 SERVE_START_S = 900
@@ -114,63 +116,22 @@ def _has_cuda(python: str) -> bool:
     return done.stdout.strip() == "True"
 
 
-Results = dict[tuple[str, int], list[list[Stream]]]
-
-
-def measure(gpuvisor: str, serve: str, tokens: int, runs: int) -> Results:
-    # Warm both (first requests pay one-time costs on either side).
-    for base in (gpuvisor, serve):
-        asyncio.run(openai_streams(base, 1, 16))
-    out: Results = {}
-    for run in range(runs):
-        for n in STREAMS:
-            sides = [("gpuvisor", gpuvisor), ("vllm serve", serve)]
-            for name, base in sides if run % 2 == 0 else reversed(sides):
-                got = asyncio.run(openai_streams(base, n, tokens))
-                if any(s.tokens != tokens for s in got):
-                    raise RuntimeError(f"{name}: a stream ended early: {[s.tokens for s in got]}")
-                out.setdefault((name, n), []).append(got)
-    return out
-
-
-def report(results: Results, tokens: int, runs: int) -> None:
-    print(f"tiny random llama (2 layers, hidden 256), prompt {PROMPT!r}, {tokens} tokens per stream, "
-          f"median of {runs} runs")
-    print(f"{'streams':>7}  {'side':<10} {'tok/s':>9} {'TTFT ms':>8}")
-    for n in STREAMS:
-        tps: dict[str, float] = {}
-        for name in ("vllm serve", "gpuvisor"):
-            batches = results[(name, n)]
-            tps[name] = statistics.median(aggregate_tps(b) for b in batches)
-            ttft = statistics.median(median_ttft(b) for b in batches) * 1000
-            print(f"{n:>7}  {name:<10} {tps[name]:>9.1f} {ttft:>8.1f}")
-        print(f"{n:>7}  ratio gpuvisor/vllm serve: {tps['gpuvisor'] / tps['vllm serve']:.3f}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=512, help="tokens per stream")
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
-    python = default_vllm_python()
-    if not python:
-        sys.exit("no vLLM environment: run `make install-vllm`")
-    models = short_tempdir("gvbs")
-    build_vllm_model(models / MODEL, max_position_embeddings=N_CTX)
-    env = {"GPUVISOR_VLLM_PYTHON": python, "GPUVISOR_PARALLEL": str(PARALLEL), "GPUVISOR_N_CTX": str(N_CTX)}
-    with running(Server(models, env=env, model=MODEL)) as srv:
-        r = httpx.post(f"{srv.base_url}/api/models/{MODEL}/load", timeout=SERVE_START_S)
-        r.raise_for_status()
-        srv.wait_worker(lambda w: w["state"] == "ready", timeout=SERVE_START_S)
+    with served_model("gvbs", SERVE_START_S) as (srv, model, python):
         # vllm serve gets the very budget our fit gave the worker.
         kv_bytes = int(httpx.get(f"{srv.base_url}/api/models/{MODEL}", timeout=10).json()["fit"]["kv_bytes"])
-        serve = VllmServe(python, models / MODEL, kv_bytes, models.parent / f"{models.name}-serve.log")
+        serve = VllmServe(python, model, kv_bytes, model.parent.parent / f"{model.parent.name}-serve.log")
         try:
             serve.wait_ready()
-            results = measure(srv.base_url, serve.base_url, args.tokens, args.runs)
+            results = measure([("gpuvisor", openai_side(srv.base_url)), ("vllm serve", openai_side(serve.base_url))],
+                              args.tokens, args.runs)
         finally:
             serve.close()
-    report(results, args.tokens, args.runs)
+    report(results, "vllm serve", args.tokens, args.runs)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,61 +128,78 @@ async def openai_streams(base: str, streams: int, tokens: int) -> list[Stream]:
         return list(await asyncio.gather(*(_one(client, base + "/v1/completions", tokens) for _ in range(streams))))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=512, help="tokens per stream")
-    ap.add_argument("--runs", type=int, default=3)
-    args = ap.parse_args()
-    python = default_vllm_python()
-    if not python:
-        sys.exit("no vLLM environment: run `make install-vllm`")
-    models = short_tempdir("gvbv")
-    build_vllm_model(models / MODEL, max_position_embeddings=N_CTX)
-    env = {"GPUVISOR_VLLM_PYTHON": python, "GPUVISOR_PARALLEL": str(PARALLEL), "GPUVISOR_N_CTX": str(N_CTX)}
-    direct = Direct(python, models / MODEL)
-    try:
-        with running(Server(models, env=env, model=MODEL)) as srv:
-            r = httpx.post(f"{srv.base_url}/api/models/{MODEL}/load", timeout=600)
-            r.raise_for_status()
-            srv.wait_worker(lambda w: w["state"] == "ready", timeout=600)
-            results = _measure(srv.base_url, direct, args.tokens, args.runs)
-    finally:
-        direct.close()
-    _report(results, args.tokens, args.runs)
-
-
+Side = Callable[[int, int], list[Stream]]
 Results = dict[tuple[str, int], list[list[Stream]]]
 
 
-def _measure(base: str, direct: Direct, tokens: int, runs: int) -> Results:
-    # Warm both (first requests pay one-time costs on either side).
-    direct.run(1, 16)
-    asyncio.run(openai_streams(base, 1, 16))
+def openai_side(base: str) -> Side:
+    """Streams through an OpenAI-style server at ``base``, as a measured side."""
+    return lambda n, tokens: asyncio.run(openai_streams(base, n, tokens))
+
+
+def measure(sides: list[tuple[str, Side]], tokens: int, runs: int) -> Results:
+    """Each side at each count of STREAMS, run by run in alternating order so
+    drift on a shared machine hits all alike; warmed first (first requests
+    pay one-time costs on either side)."""
+    for _, go in sides:
+        go(1, 16)
     out: Results = {}
     for run in range(runs):
         for n in STREAMS:
-            sides: list[tuple[str, Callable[[], list[Stream]]]] = [
-                ("gpuvisor", lambda: asyncio.run(openai_streams(base, n, tokens))),
-                ("AsyncLLM", lambda: direct.run(n, tokens))]
-            for name, go in sides if run % 2 == 0 else reversed(sides):
-                got = go()
+            for name, go in sides if run % 2 == 0 else list(reversed(sides)):
+                got = go(n, tokens)
                 if any(s.tokens != tokens for s in got):
                     raise RuntimeError(f"{name}: a stream ended early: {[s.tokens for s in got]}")
                 out.setdefault((name, n), []).append(got)
     return out
 
 
-def _report(results: Results, tokens: int, runs: int) -> None:
-    print(f"tiny random llama (2 layers, hidden 256), {tokens} tokens per stream, median of {runs} runs")
-    print(f"{'streams':>7}  {'side':<9} {'tok/s':>9} {'TTFT ms':>8}")
+def report(results: Results, baseline: str, tokens: int, runs: int) -> None:
+    """The median tokens/s and time to first token per side, and gpuvisor's ratio to ``baseline``."""
+    print(f"tiny random llama (2 layers, hidden 256), prompt {PROMPT!r}, {tokens} tokens per stream, "
+          f"median of {runs} runs")
+    width = max(len(baseline), len("gpuvisor"))
+    print(f"{'streams':>7}  {'side':<{width}} {'tok/s':>9} {'TTFT ms':>8}")
     for n in STREAMS:
         tps: dict[str, float] = {}
-        for name in ("AsyncLLM", "gpuvisor"):
+        for name in (baseline, "gpuvisor"):
             batches = results[(name, n)]
             tps[name] = statistics.median(aggregate_tps(b) for b in batches)
             ttft = statistics.median(median_ttft(b) for b in batches) * 1000
-            print(f"{n:>7}  {name:<9} {tps[name]:>9.1f} {ttft:>8.1f}")
-        print(f"{n:>7}  ratio gpuvisor/AsyncLLM: {tps['gpuvisor'] / tps['AsyncLLM']:.3f}")
+            print(f"{n:>7}  {name:<{width}} {tps[name]:>9.1f} {ttft:>8.1f}")
+        print(f"{n:>7}  ratio gpuvisor/{baseline}: {tps['gpuvisor'] / tps[baseline]:.3f}")
+
+
+@contextmanager
+def served_model(prefix: str, start_s: float) -> Iterator[tuple[Server, Path, str]]:
+    """A gpuvisor server with the tiny model loaded on a ready vLLM worker:
+    the server, the model's dir and the vLLM environment's python."""
+    python = default_vllm_python()
+    if not python:
+        sys.exit("no vLLM environment: run `make install-vllm`")
+    models = short_tempdir(prefix)
+    build_vllm_model(models / MODEL, max_position_embeddings=N_CTX)
+    env = {"GPUVISOR_VLLM_PYTHON": python, "GPUVISOR_PARALLEL": str(PARALLEL), "GPUVISOR_N_CTX": str(N_CTX)}
+    with running(Server(models, env=env, model=MODEL)) as srv:
+        r = httpx.post(f"{srv.base_url}/api/models/{MODEL}/load", timeout=start_s)
+        r.raise_for_status()
+        srv.wait_worker(lambda w: w["state"] == "ready", timeout=start_s)
+        yield srv, models / MODEL, python
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=512, help="tokens per stream")
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    with served_model("gvbv", 600) as (srv, model, python):
+        direct = Direct(python, model)
+        try:
+            results = measure([("gpuvisor", openai_side(srv.base_url)), ("AsyncLLM", direct.run)],
+                              args.tokens, args.runs)
+        finally:
+            direct.close()
+    report(results, "AsyncLLM", args.tokens, args.runs)
 
 
 if __name__ == "__main__":
