@@ -10,7 +10,7 @@ import re
 import msgspec
 
 from jobs.errors import FieldValueError
-from jobs.params import JobParams
+from jobs.params import NodeParams
 
 # owner/name: the Hub's canonical ids without an owner ("gpt2") redirect to
 # an owned repo; a bare word is far more often a typo than one of those.
@@ -19,7 +19,7 @@ _QUANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_]{0,31}$")
 _REVISION = re.compile(r"^[\w./-]{1,200}$")
 
 
-class DownloadParams(JobParams):
+class DownloadParams(NodeParams):
     """What to fetch from the Hub into its cache.
 
     Exactly one way to choose files: ``patterns`` (fnmatch globs over the
@@ -28,11 +28,12 @@ class DownloadParams(JobParams):
     a single GGUF model. ``fallback_smaller`` picks, when the choice does not
     fit on disk, the largest smaller GGUF variant of the repo that does.
     ``mmproj`` also fetches the repo's vision projector, if it has one.
+    ``node`` runs it on that cluster node, into that node's own Hub cache.
     """
 
     repo_id: str
     revision: str = "main"
-    patterns: list[str] = []
+    patterns: list[str] = msgspec.field(default_factory=list)
     quant: str | None = None
     fallback_smaller: bool = False
     mmproj: bool = True

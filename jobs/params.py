@@ -106,6 +106,10 @@ class JobParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         """The lease devices this job holds while it runs (none by default)."""
         return []
 
+    def on_node(self) -> str | None:
+        """The cluster node the job names to run on (:class:`NodeParams`); None: none named."""
+        return None
+
 
 class DeviceChoice(msgspec.Struct, kw_only=True):
     """Fields of a kind that holds devices: a count, or named ones."""
@@ -133,7 +137,25 @@ class DeviceChoice(msgspec.Struct, kw_only=True):
         return list(available[: self.gpus])
 
 
-class DatasetParams(JobParams):
+# A cluster node's name as device ids carry it (``node-b`` in ``node-b/cuda:0``).
+NodeName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+
+
+class NodeParams(JobParams, kw_only=True):
+    """Base of the kinds that book no device: ``node``, the cluster node to run on.
+
+    None runs it on the parent's machine. The parent checks at submit time
+    that a cluster is configured and has this node alive (the job runner,
+    supervisor/lab/runner.py); the job process itself ignores it.
+    """
+
+    node: NodeName | None = None
+
+    def on_node(self) -> str | None:
+        return self.node
+
+
+class DatasetParams(NodeParams):
     input: str
     format: DatasetFormat = "auto"
     eval_ratio: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.1
@@ -167,7 +189,7 @@ def dataset_outputs(datasets_dir: Path, output_name: str) -> tuple[Path, Path]:
     return (datasets_dir / f"{output_name}.train.jsonl", datasets_dir / f"{output_name}.eval.jsonl")
 
 
-class QuantizeParams(JobParams):
+class QuantizeParams(NodeParams):
     """Quantize a GGUF into the models dir. It runs ggml's CPU kernels, so it
     books no GPU (:meth:`JobParams.devices`): chat keeps serving meanwhile."""
 
@@ -197,7 +219,9 @@ class QuantizeParams(JobParams):
 
 
 class SleepParams(JobParams, DeviceChoice):
-    """A cheap job for tests and benchmarks: N steps with progress."""
+    """A cheap job for tests and benchmarks: N steps with progress. With
+    ``node`` and ``use_device`` off it runs on that node like a kind that
+    books no device."""
 
     steps: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 5
     step_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 0.05
@@ -208,6 +232,11 @@ class SleepParams(JobParams, DeviceChoice):
     ignore_term: bool = False
     use_device: bool = True
     tag: Annotated[str, msgspec.Meta(max_length=200)] = ""
+    # As NodeParams' (msgspec structs take fields from one base only).
+    node: NodeName | None = None
 
     def devices(self, available: Sequence[str]) -> list[str]:
         return self.pick(available) if self.use_device else []
+
+    def on_node(self) -> str | None:
+        return self.node

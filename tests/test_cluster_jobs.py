@@ -10,6 +10,7 @@ longer answers.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -21,15 +22,27 @@ import psutil
 import pytest
 
 from jobs.context import EXIT_STOPPED
-from jobs.params import SleepParams
+from jobs.errors import ParamError
+from jobs.kinds import decode_params, validate_params
+from jobs.params import ResolveContext, Roots, SleepParams
+from supervisor.errors import BadRequest
+from supervisor.lab.job_command import job_command
 from supervisor.lab.job_process import group_alive
+from supervisor.lab.job_schema import Job
 from supervisor.lab.lease import GpuLease, cpu_device
-from supervisor.lab.node_exec import job_node, node_job_environ
+from supervisor.lab.node_exec import job_node
 from supervisor.lab.node_jobs import NodeJobLost
 from supervisor.lab.runner import JobRunner, RunnerSettings
+from supervisor.models.demo import write_tiny_gguf
 from supervisor.models.devices import GpuReading
 from supervisor.workers.node_agent import NodeAgent
-from tests.jobsupport import make_roots, open_store, wait_finished, wait_for
+from tests.jobsupport import (
+    make_roots,
+    open_store,
+    running_lab,
+    wait_finished,
+    wait_for,
+)
 from tests.server import short_tempdir
 
 GIB = 1 << 30
@@ -71,6 +84,9 @@ class AgentNodes:
     agents: dict[str, NodeAgent]
     started: list[AgentJob] = field(default_factory=list)
 
+    async def node_names(self) -> list[str]:
+        return list(self.agents)
+
     async def start_job(self, node: str, argv: list[str], env: dict[str, str], stdin_line: bytes,
                         log_name: str) -> AgentJob:
         agent = self.agents.get(node)
@@ -94,6 +110,7 @@ class ClusterLab:
     lease: GpuLease
     nodes: AgentNodes
     agent_dir: Path
+    roots: Roots
 
 
 @asynccontextmanager
@@ -110,7 +127,7 @@ async def cluster_lab(base: Path, **settings: object) -> AsyncIterator[ClusterLa
         runner = JobRunner(store, lease, cfg, nodes=nodes)
         await runner.start()
         try:
-            yield ClusterLab(runner, lease, nodes, agent_dir)
+            yield ClusterLab(runner, lease, nodes, agent_dir, roots)
         finally:
             await runner.stop()
 
@@ -212,17 +229,105 @@ async def test_the_lease_books_one_machines_devices_for_a_job() -> None:
     assert lease.on_one_machine(["cpu", "node-b/cuda:0"]) == ["node-b/cuda:0", "node-b/cuda:1"]
 
 
-def test_a_jobs_environment_for_its_node() -> None:
+def _job(job_id: str, kind: str, params: dict[str, object]) -> Job:
+    return Job(id=job_id, kind=kind, status="running", priority=0, params=params, progress=0.0, stage=None,
+               message=None, result=None, error=None, attempt=1, created_at=0.0, started_at=None,
+               finished_at=None, heartbeat_at=None, pid=None, pgid=None, proc_create_time=None, exit_code=None,
+               cancel_requested_at=None, log_path=None, unique_key=job_id, last_seq=0)
+
+
+def test_a_jobs_command_is_built_once_for_here_and_for_a_node(tmp_path: Path) -> None:
     parent = {"HF_TOKEN": "hf_x", "PATH": "/p", "GPUVISOR_ADMIN_TOKEN": "adm"}
-    # Pinned GPUs and the extra settings; the node's own allowlist supplies PATH and the rest.
-    env = node_job_environ("finetune", [1, 2], {"HF_HUB_CACHE": "/shared/hub"}, parent)
-    assert env["CUDA_VISIBLE_DEVICES"] == "1,2" and env["HIP_VISIBLE_DEVICES"] == "0,1"
-    assert env["HF_HUB_CACHE"] == "/shared/hub"
-    assert "HF_TOKEN" not in env and "PATH" not in env and "GPUVISOR_ADMIN_TOKEN" not in env
-    assert node_job_environ("download", [], {}, parent) == {"HF_TOKEN": "hf_x"}
+    settings = RunnerSettings(state_dir=tmp_path, roots=make_roots(tmp_path),
+                              extra_env={"HF_HUB_CACHE": "/shared/hub"})
+    job = _job("j1", "finetune", {"model": "m"})
+    # Pinned GPUs and the extra settings; the machine's own allowlist supplies PATH and the rest.
+    cmd = job_command(job, settings, [1, 2], environ=parent)
+    assert cmd.argv == ["-m", "jobs", "finetune"]
+    assert cmd.env["CUDA_VISIBLE_DEVICES"] == "1,2" and cmd.env["HIP_VISIBLE_DEVICES"] == "0,1"
+    assert cmd.env["HF_HUB_CACHE"] == "/shared/hub"
+    assert "HF_TOKEN" not in cmd.env and "PATH" not in cmd.env and "GPUVISOR_ADMIN_TOKEN" not in cmd.env
+    line = json.loads(cmd.stdin_line)
+    assert cmd.stdin_line.endswith(b"\n") and line["params"] == {"model": "m"}
+    assert line["context"]["job_id"] == "j1" and line["context"]["models_dir"] == str(settings.roots.models)
+    download = _job("j2", "download", {})
+    # No GPU booked: none seen; the token for the kind that downloads.
+    env = job_command(download, settings, [], environ=parent).env
+    assert env["HF_TOKEN"] == "hf_x" and env["CUDA_VISIBLE_DEVICES"] == ""
+    # On a machine without GPUs the device variables are left alone.
+    assert "CUDA_VISIBLE_DEVICES" not in job_command(download, settings, None, environ=parent).env
     assert job_node(["node-b/cuda:0", "node-b/cuda:1"]) == "node-b" and job_node(["cpu"]) == ""
     with pytest.raises(ValueError, match="one machine"):
         job_node(["node-a/cuda:0", "node-b/cuda:0"])
+
+
+async def test_a_quantize_naming_a_node_runs_there_and_its_events_come_back(tmp_path: Path) -> None:
+    async with cluster_lab(tmp_path) as lab:
+        write_tiny_gguf(lab.roots.models / "tiny.gguf")
+        params = validate_params("quantize", {"model": "tiny", "type": "Q8_0", "node": "node-b"},
+                                 ResolveContext(lab.roots))
+        job, _ = await lab.runner.submit("quantize", params)
+        done = await wait_finished(lab.runner.store, job.id)
+        assert done.status == "succeeded", done.error
+        (started,) = lab.nodes.started
+        assert started.node == "node-b" and done.pid == started.pid
+        assert done.proc_create_time is None  # another machine's pid: boot recovery never kills it
+        assert done.result is not None and Path(done.result["output_path"]).is_file()
+        assert Path(done.result["output_path"]).parent == lab.roots.models
+        types = [e.type for e in await lab.runner.store.events_after(job.id, 0)]
+        assert types[0] == "started" and types[-2:] == ["done", "status"]
+        assert (lab.agent_dir / "logs" / f"{job.id}.log").exists()
+
+
+async def test_a_job_naming_a_node_sees_no_gpu_there_stops_on_cancel_and_is_interrupted_with_it(
+        tmp_path: Path) -> None:
+    async with cluster_lab(tmp_path) as lab:
+        job, _ = await lab.runner.submit("sleep", SleepParams(steps=400, step_seconds=0.05, use_device=False,
+                                                              node="node-b"))
+        await wait_for(lab.runner.store, job.id, lambda j: j.progress > 0)
+        (started,) = lab.nodes.started
+        assert started.node == "node-b"
+        # It books no GPU of node-b, so it sees none of them; both stay free for workers.
+        assert psutil.Process(started.pid).environ()["CUDA_VISIBLE_DEVICES"] == ""
+        assert lab.lease.worker_admission("node-b/cuda:0") is None
+        await lab.runner.cancel(job.id)
+        done = await wait_finished(lab.runner.store, job.id)
+        assert done.status == "cancelled" and done.exit_code == EXIT_STOPPED
+        assert not group_alive(started.pid)
+
+        lost, _ = await lab.runner.submit("sleep", SleepParams(steps=400, step_seconds=0.05, use_device=False,
+                                                               node="node-b", tag="lost"))
+        await wait_for(lab.runner.store, lost.id, lambda j: j.progress > 0)
+        second = lab.nodes.started[-1]
+        lab.nodes.lose(second)
+        done = await wait_finished(lab.runner.store, lost.id)
+        assert done.status == "interrupted" and done.error is not None
+        assert "node node-b was lost while the job ran" in done.error
+        assert await lab.nodes.agents["node-b"]._jobs[second.pid].proc.wait() is not None
+
+        # Devices on one machine and a node named for another: failed with both named.
+        both, _ = await lab.runner.submit("sleep", SleepParams(steps=1, gpu_ids=["cpu"], node="node-b"))
+        done = await wait_finished(lab.runner.store, both.id)
+        assert done.status == "failed" and done.error is not None
+        assert "names node node-b, and its devices are on this machine" in done.error
+
+
+async def test_a_node_that_is_not_alive_or_no_cluster_is_a_400_naming_it(tmp_path: Path) -> None:
+    async with cluster_lab(tmp_path / "cluster") as lab:
+        with pytest.raises(BadRequest, match=r"node 'node-z' is not an alive node of the cluster \(alive: node-b\)") as info:
+            await lab.runner.submit("sleep", SleepParams(use_device=False, node="node-z"))
+        assert info.value.param == "params.node" and info.value.status == 400
+        assert (await lab.runner.store.list_jobs()).jobs == [] and lab.nodes.started == []
+    async with running_lab(tmp_path / "alone") as alone:
+        (alone.roots.datasets / "raw.jsonl").write_text("{}\n")
+        params = validate_params("dataset", {"input": "raw.jsonl", "node": "node-b"}, ResolveContext(alone.roots))
+        with pytest.raises(BadRequest, match="node 'node-b': no cluster is configured") as info:
+            await alone.runner.submit("dataset", params)
+        assert info.value.param == "params.node"
+    # A name no node can have is refused where the params are decoded, naming the field.
+    with pytest.raises(ParamError) as bad:
+        decode_params("download", {"repo_id": "o/r", "node": "node-b/cuda:0"})
+    assert bad.value.param == "params.node"
 
 
 async def test_a_silent_job_on_a_node_is_killed_and_a_shutdown_interrupts_one(tmp_path: Path) -> None:
@@ -282,7 +387,7 @@ async def test_an_unreachable_agent_is_waited_for_and_a_dead_one_loses_the_job(
                               lambda: lost.append("forgotten")), reads, signals, lost)
 
     blip = rex.ActorUnavailableError("connection reset", None)
-    waited, reads, _, lost = job([blip, (b'{"type":"log"}\n', None), (b"", 0)])
+    waited, _, _, lost = job([blip, (b'{"type":"log"}\n', None), (b"", 0)])
     assert await waited.read(0.01) == (b"", None)  # unreachable once: asked again
     assert await waited.read(0.01) == (b'{"type":"log"}\n', None)
     assert await waited.read(0.01) == (b"", 0) and lost == []

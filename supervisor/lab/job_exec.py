@@ -14,18 +14,16 @@ from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 
-import msgspec
 import psutil
 
 import jobs
-from jobs.context import JobContext
 from jobs.events import Done, Failed, JobEvent
 from supervisor.lab.active import ActiveJob, RunnerSettings, StopReason
-from supervisor.lab.job_process import EventFramer, job_environ, kill_group
+from supervisor.lab.job_command import JobCommand, job_command
+from supervisor.lab.job_process import EventFramer, child_environ, kill_group
 from supervisor.lab.job_schema import Job
 from supervisor.lab.lease import GpuLease
 from supervisor.lab.store import JobStore
-from supervisor.models.devices import pinned_environ
 
 log = logging.getLogger(__name__)
 
@@ -53,46 +51,35 @@ class JobExecution:
         self._request_stop = request_stop
         self._signal_stop = signal_stop
 
-    def _env(self, kind: str, devices: list[str]) -> dict[str, str]:
-        # An allowlist of ours; the HF token only for the kinds that download.
-        env = job_environ(kind, os.environ, self.settings.extra_env)
+    def _command(self, job: Job, devices: list[str]) -> tuple[JobCommand, dict[str, str]]:
+        """The job's command (job_command.py) and its full environment here."""
+        # On a GPU machine a job sees exactly the devices it holds (CUDA and ROCm).
+        pinned = self.lease.gpu_indices(devices) if self.lease.gpu_indices(self.lease.devices) else None
+        cmd = job_command(job, self.settings, pinned)
+        env = {**child_environ(os.environ), **cmd.env}
         root = str(Path(jobs.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        if self.lease.gpu_indices(self.lease.devices):
-            # On a GPU machine a job sees exactly the devices it holds (CUDA and ROCm).
-            env.update(pinned_environ(self.lease.gpu_indices(devices)))
-        return env
-
-    def _context(self, job: Job) -> JobContext:
-        r = self.settings.roots
-        return JobContext(
-            job_id=job.id,
-            models_dir=str(r.models),
-            datasets_dir=str(r.datasets),
-            outputs_dir=str(r.outputs),
-            keepalive_s=self.settings.keepalive_s,
-            attempt=job.attempt,
-        )
+        return cmd, env
 
     async def run(self, active: ActiveJob, devices: list[str], log_path: Path) -> int:
         """Spawn the job, feed it, store its events; its exit code once its
         whole group is gone. :class:`SpawnFailed` when it cannot start."""
-        job = active.job
+        cmd, env = self._command(active.job, devices)
         try:
             with log_path.open("ab") as log_file:
                 proc = await asyncio.create_subprocess_exec(
-                    self.settings.python, "-m", "jobs", job.kind,
+                    self.settings.python, *cmd.argv,
                     stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=log_file,
                     start_new_session=True,
-                    env=self._env(job.kind, devices),
+                    env=env,
                 )
         except OSError as exc:
             raise SpawnFailed(str(exc)) from exc
         active.pgid = proc.pid  # a new session: the leader's pid is the group id
         try:
-            rc = await self._supervise(active, proc, log_path)
+            rc = await self._supervise(active, proc, log_path, cmd.stdin_line)
         finally:
             # Whatever happened, nothing of the job may outlive this point.
             await kill_group(proc.pid)
@@ -101,7 +88,7 @@ class JobExecution:
         return rc
 
     async def _supervise(
-        self, active: ActiveJob, proc: asyncio.subprocess.Process, log_path: Path
+        self, active: ActiveJob, proc: asyncio.subprocess.Process, log_path: Path, line: bytes
     ) -> int:
         job = active.job
         try:
@@ -115,10 +102,9 @@ class JobExecution:
             # Stopped while it was being spawned.
             self._signal_stop(active, active.stop_reason == "heartbeat")
         assert proc.stdin is not None and proc.stdout is not None
-        line = msgspec.json.encode({"params": job.params, "context": self._context(job)})
         # The pipe stays open: its EOF tells the job the parent is gone.
         with suppress(BrokenPipeError, ConnectionResetError):
-            proc.stdin.write(line + b"\n")
+            proc.stdin.write(line)
             await proc.stdin.drain()
         await self._pump(active, proc.stdout)
         rc = await proc.wait()

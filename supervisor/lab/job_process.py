@@ -71,16 +71,20 @@ def child_environ(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if _inherited(k)}
 
 
-def job_environ(kind: str, environ: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
-    """A job's environment: the allowlist, ``extra`` (the runner's settings)
-    and, for a kind that downloads, the token (configured, or the parent's
-    own HF_TOKEN)."""
-    env = child_environ(environ)
-    env.update({k: v for k, v in extra.items() if k != HF_TOKEN})
+def job_settings(kind: str, environ: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    """What the parent sets over a job's allowlisted environment, wherever
+    it runs: ``extra`` (the runner's settings) and, for a kind that
+    downloads, the token (configured, or the parent's own HF_TOKEN)."""
+    env = {k: v for k, v in extra.items() if k != HF_TOKEN}
     token = extra.get(HF_TOKEN) or environ.get(HF_TOKEN)
     if kind in HF_TOKEN_KINDS and token:
         env[HF_TOKEN] = token
     return env
+
+
+def job_environ(kind: str, environ: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    """A job's environment on this machine: the allowlist and job_settings."""
+    return {**child_environ(environ), **job_settings(kind, environ, extra)}
 
 
 @dataclass

@@ -1,10 +1,13 @@
 """One job's process on a cluster node: the node-side twin of job_exec.py.
 
-A job whose devices are a node's (``node-b/cuda:0``) runs on that node: its
-agent starts ``python -m jobs <kind>`` there (supervisor/workers/node_agent.py)
-with the same params line on stdin, the node's allowlisted environment,
-the parent's extra job settings (the Hugging Face token for the kinds that
-download only) and the job's GPUs pinned by their index on that node. The
+A job whose devices are a node's (``node-b/cuda:0``), or that names a node
+(the ``node`` param of a kind that books no device: quantize, dataset,
+download), runs on that node: its agent starts ``python -m jobs <kind>``
+there (supervisor/workers/node_agent.py) with the command job_command.py
+builds for a local job too (the same params line on stdin, the parent's
+extra job settings, the Hugging Face token for the kinds that download
+only) over the node's allowlisted environment, and the job's GPUs pinned
+by their index on that node (none for a job that books none). The
 job's paths (models, datasets, outputs) are the parent's: the lab shares
 those directories with its nodes (NFS and the like, docs/cluster.md).
 
@@ -21,21 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
-
-from jobs.context import JobContext
 from jobs.events import Done, Failed, JobEvent
 from supervisor.lab.active import ActiveJob, RunnerSettings, StopReason
-from supervisor.lab.job_process import HF_TOKEN, EventFramer, job_environ
-from supervisor.lab.job_schema import Job
+from supervisor.lab.job_command import job_command
+from supervisor.lab.job_process import EventFramer
 from supervisor.lab.lease import GpuLease
 from supervisor.lab.node_jobs import JobNodes, NodeJob, NodeJobLost
 from supervisor.lab.store import JobStore
-from supervisor.models.devices import pinned_environ
 from supervisor.models.gpu_reading import device_node
 
 log = logging.getLogger(__name__)
@@ -57,19 +55,6 @@ def job_node(devices: list[str]) -> str:
     return nodes.pop() if nodes else ""
 
 
-def node_job_environ(kind: str, indices: list[int], extra: dict[str, str] | None = None,
-                     environ: dict[str, str] | None = None) -> dict[str, str]:
-    """What the parent sends of a job's environment: its extra settings, the
-    token for a kind that downloads (job_process.job_environ's rule), and
-    its GPUs pinned. The rest is the node's own allowlisted environment."""
-    extra = extra or {}
-    full = job_environ(kind, os.environ if environ is None else environ, extra)
-    env = {k: v for k, v in full.items() if k in extra or k == HF_TOKEN}
-    if indices:
-        env.update(pinned_environ(indices))
-    return env
-
-
 class NodeJobExecution:
     def __init__(
         self,
@@ -87,21 +72,15 @@ class NodeJobExecution:
         self._request_stop = request_stop
         self._signal_stop = signal_stop
 
-    def _context(self, job: Job) -> JobContext:
-        r = self.settings.roots
-        return JobContext(job_id=job.id, models_dir=str(r.models), datasets_dir=str(r.datasets),
-                          outputs_dir=str(r.outputs), keepalive_s=self.settings.keepalive_s,
-                          attempt=job.attempt)
-
-    async def run(self, active: ActiveJob, devices: list[str], log_path: Path) -> int:
-        """Start the job on its node, store its events; its exit status.
-        NodeSpawnFailed when it cannot start, NodeJobLost when its node went."""
+    async def run(self, active: ActiveJob, node: str, devices: list[str], log_path: Path) -> int:
+        """Start the job on ``node`` (its devices, if any, are that node's),
+        store its events; its exit status. NodeSpawnFailed when it cannot
+        start, NodeJobLost when its node went."""
         job = active.job
-        node = job_node(devices)
-        env = node_job_environ(job.kind, self.lease.gpu_indices(devices), dict(self.settings.extra_env))
-        line = msgspec.json.encode({"params": job.params, "context": self._context(job)}) + b"\n"
+        # Pinned even when it books none: a job that holds no GPU there must use none of the node's.
+        cmd = job_command(job, self.settings, self.lease.gpu_indices(devices))
         try:
-            proc = await self.nodes.start_job(node, ["-m", "jobs", job.kind], env, line, log_path.name)
+            proc = await self.nodes.start_job(node, cmd.argv, cmd.env, cmd.stdin_line, log_path.name)
         except OSError as exc:
             raise NodeSpawnFailed(f"on node {node}: {exc}") from exc
         active.pgid = proc.pid

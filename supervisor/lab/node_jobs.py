@@ -42,6 +42,10 @@ class NodeJob(Protocol):
 
 
 class JobNodes(Protocol):
+    async def node_names(self) -> list[str]:
+        """The names of the cluster's alive nodes; OSError when it does not answer."""
+        ...
+
     async def start_job(self, node: str, argv: list[str], env: dict[str, str], stdin_line: bytes,
                         log_name: str) -> NodeJob:
         """Start ``python <argv>`` on ``node``; OSError when it cannot."""

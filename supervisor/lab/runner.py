@@ -14,8 +14,9 @@ Resuming re-queues the same job (same id, events and output dir) as a new
 attempt. The runner owns every task it starts: the scheduler, the pruner and
 one task per job.
 
-With a cluster (``nodes``), a job whose devices are a cluster node's runs
-on that node through its agent (lab/node_exec.py), signalled there
+With a cluster (``nodes``), a job whose devices are a cluster node's, or
+one of a kind that books no device naming a node (``node``), runs on that
+node through its agent (lab/node_exec.py), signalled there
 (``ActiveJob.send``); a node lost mid-job makes it ``interrupted``. A job
 asking for a count that no single machine gives first goes whole to one
 node that has it (:meth:`GpuLease.on_one_machine`). Without ``nodes``,
@@ -37,7 +38,13 @@ import msgspec
 from jobs.errors import ParamError
 from jobs.kinds import KindSpec, kind_spec, params_dict, stored_params
 from jobs.params import JobParams
-from supervisor.errors import ApiError, BadRequest, StorageFull, param_error
+from supervisor.errors import (
+    ApiError,
+    BadRequest,
+    StorageFull,
+    Unavailable,
+    param_error,
+)
 from supervisor.lab.active import ActiveJob, RunnerSettings, StopReason
 from supervisor.lab.job_exec import JobExecution, SpawnFailed
 from supervisor.lab.job_process import (
@@ -94,6 +101,7 @@ class JobRunner:
         self._exec = JobExecution(store, lease, settings, self._request_stop, self._signal_stop)
         # With a cluster: jobs whose devices are a node's run there (lab/node_exec.py).
         self._node_exec: NodeJobExecution | None = None
+        self._nodes = nodes
         if nodes is not None:
             self._node_exec = NodeJobExecution(nodes, store, lease, settings, self._request_stop,
                                                self._signal_stop)
@@ -155,10 +163,29 @@ class JobRunner:
     async def submit(
         self, kind: str, params: JobParams, priority: int = 0, owner: str | None = None
     ) -> tuple[Job, bool]:
+        node = params.on_node()
+        if node is not None:
+            await self._check_node(node)
         job, created = await self.store.submit(kind, params_dict(params), priority, owner)
         if created:
             self.wake()
         return job, created
+
+    async def _check_node(self, node: str) -> None:
+        """A job's ``node`` must be an alive node of the cluster: a 400
+        naming it now, not a failed job later."""
+        if self._nodes is None:
+            raise BadRequest(f"node {node!r}: no cluster is configured (ray_address is unset), so jobs "
+                             "run on this machine only; leave node out", param="params.node")
+        try:
+            alive = await self._nodes.node_names()
+        except OSError as exc:  # ClusterError: the cluster did not answer
+            raise Unavailable(f"cannot list the cluster's nodes to check node {node!r}: {exc}",
+                              retry_after=5) from exc
+        if node not in alive:
+            raise BadRequest(f"node {node!r} is not an alive node of the cluster (alive: "
+                             f"{', '.join(sorted(alive)) or 'none'})", param="params.node",
+                             code="node_not_found")
 
     async def cancel(self, job_id: str, save: bool = False) -> Job:
         """Queued: cancelled now. Running: SIGTERM (SIGUSR1 with ``save``),
@@ -331,6 +358,11 @@ class JobRunner:
             except ValueError as exc:
                 await self._finish(active, "failed", error=f"could not get the device: {exc}")
                 return
+        try:
+            node = self._job_machine(params, devices)
+        except ValueError as exc:
+            await self._finish(active, "failed", error=f"could not place the job: {exc}")
+            return
         if devices and not await self._acquire(active, devices):
             return
         try:
@@ -340,10 +372,21 @@ class JobRunner:
             if started is None:
                 return  # cancelled while it waited
             active.job = started
-            await self._execute(active, devices)
+            await self._execute(active, node, devices)
         finally:
             if devices:
                 self.lease.release_job(job.id)
+
+    def _job_machine(self, params: JobParams, devices: list[str]) -> str:
+        """The node the job runs on ("" for this machine): the one it names,
+        else the one its devices are on. ValueError when they disagree."""
+        on = job_node(devices) if self._node_exec is not None else ""
+        node = params.on_node() or on
+        if node and self._node_exec is None:
+            raise ValueError(f"it names node {node}, and no cluster is configured")
+        if devices and on != node:
+            raise ValueError(f"it names node {node}, and its devices are on {on or 'this machine'}")
+        return node
 
     async def _end_unstarted(self, active: ActiveJob, error: BaseException | None) -> None:
         """The job was stopped (or failed to get its device) while queued.
@@ -376,11 +419,11 @@ class JobRunner:
         await self._end_unstarted(active, error)
         return False
 
-    async def _execute(self, active: ActiveJob, devices: list[str]) -> None:
+    async def _execute(self, active: ActiveJob, node: str, devices: list[str]) -> None:
         log_path = self.settings.logs_dir / f"{active.job.id}.log"
         try:
-            if self._node_exec is not None and job_node(devices):
-                rc = await self._node_exec.run(active, devices, log_path)
+            if self._node_exec is not None and node:
+                rc = await self._node_exec.run(active, node, devices, log_path)
             else:
                 rc = await self._exec.run(active, devices, log_path)
         except (SpawnFailed, NodeSpawnFailed) as exc:

@@ -204,6 +204,10 @@ class RayLauncher:
         self._locks = {i: lock for i, lock in self._locks.items() if i in ids or lock.locked()}
         return nodes
 
+    async def node_names(self) -> list[str]:
+        """The alive nodes' names (a job's ``node`` param is checked against them)."""
+        return [n.name for n in await self.alive_nodes()]
+
     async def read_node(self, node_id: str) -> dict[str, Any]:
         """The node agent's memory reading there (node_agent.NodeAgent.read_memory)."""
         agent = await self._agent_on(node_id)
@@ -252,7 +256,7 @@ class RayLauncher:
             # Not answered (its node going away, or this start cancelled): none is left waiting there.
             try:
                 ray.kill(actor, no_restart=True)
-            except Exception as exc:  # the original failure is the one to raise
+            except Exception as exc:  # noqa: BLE001 - the original failure is the one to raise, this one is logged
                 log.warning("could not end an unanswered node agent on %s: %s", node_id[:12], exc)
             raise
         agent = self._agents[node_id] = _Agent(node_id, actor, Path(str(where["run_dir"])), int(where["pid"]))
@@ -405,7 +409,7 @@ def _in_daemon_thread(call: Callable[[], Any]) -> asyncio.Future[Any]:
         result, error = None, None
         try:
             result = call()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller, not swallowed
             error = exc
         try:
             loop.call_soon_threadsafe(settle, result, error)
