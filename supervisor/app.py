@@ -23,6 +23,7 @@ from aiohttp import web
 from jobs.params import Roots
 from supervisor import logs, responses
 from supervisor.api import auth, metrics, openapi, proxies, shutdown, user_view, waiting
+from supervisor.api import containers as routes_containers
 from supervisor.api import files as routes_files
 from supervisor.api import hosted_tools as routes_hosted_tools
 from supervisor.api import jobs as routes_jobs
@@ -310,6 +311,7 @@ def build_app(cfg: Config) -> web.Application:
     routes_openai.add_routes(app)
     routes_files.add_routes(app)
     routes_vector_stores.add_routes(app)
+    routes_containers.add_routes(app)
     routes_hosted_tools.add_routes(app)
     routes_jobs.add_routes(app)
     waiting.setup(app)  # before the models routes: their plain GET takes the whole path

@@ -215,7 +215,7 @@ def test_the_logs_reach_the_model(srv: Server) -> None:
 
 @pytest.mark.parametrize("tool,param,word", [
     ({"type": "code_interpreter", "container": {"type": "auto", "file_ids": ["file_1"]}},
-     "tools[0].container.file_ids", "file_ids"),
+     "tools[0].container.file_ids[0]", "not a valid id"),
     ({"type": "code_interpreter", "container": {"type": "auto", "network_policy": {
         "type": "allowlist", "allowed_domains": ["pypi.org"]}}}, "tools[0].container.network_policy", "network"),
     ({"type": "code_interpreter", "container": {"type": "auto", "memory_limit": "2g"}},

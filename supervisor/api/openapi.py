@@ -94,6 +94,8 @@ _JOB_ID = {"id": "A job id (`job_...`)."}
 _RESPONSE_ID = {"response_id": "A stored response id (`resp_...`)."}
 _FILE_ID = {"file_id": "A file id (`file-...`)."}
 _STORE_ID = {"store_id": "A vector store id (`vs_...`)."}
+_CONTAINER_ID = {"container_id": "A code_interpreter container id (`cntr_...`)."}
+_CONTAINER_FILE_ID = {"file_id": "A container file id (`cfile_...`)."}
 _PAGE = (
     _q("limit", {"type": "integer", "minimum": 1, "maximum": 100}, "Page size (default 20; 100 for files)."),
     _q("order", {"type": "string", "enum": ["asc", "desc"]}, "By creation time (default desc)."),
@@ -162,6 +164,14 @@ ROUTES: tuple[Operation, ...] = (
               errors=(400, 404), path_descriptions={**_STORE_ID, **_FILE_ID}),
     Operation("POST", "/v1/vector_stores/{store_id}/search", "Search a vector store (hybrid: embeddings and words)",
               "vector_stores", body=Search, errors=(400, 404, 409, 502, 503), path_descriptions=_STORE_ID),
+    # ---------------------------------------------------------- code_interpreter containers
+    Operation("GET", "/v1/containers/{container_id}/files", "List a container's files (oldest first with asc)",
+              "containers", params=_PAGE, errors=(400, 404), path_descriptions=_CONTAINER_ID),
+    Operation("GET", "/v1/containers/{container_id}/files/{file_id}", "Retrieve a container's file", "containers",
+              errors=(400, 404), path_descriptions={**_CONTAINER_ID, **_CONTAINER_FILE_ID}),
+    Operation("GET", "/v1/containers/{container_id}/files/{file_id}/content", "A container file's bytes",
+              "containers", media=("application/octet-stream",), errors=(400, 404),
+              path_descriptions={**_CONTAINER_ID, **_CONTAINER_FILE_ID}),
     # ---------------------------------------------------------- lab: jobs
     Operation("POST", "/api/jobs", "Submit a job; `params` follow the kind's schema", "jobs",
               body=SubmitBody, ok=201, errors=(400, 413, 503)),

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import BinaryIO
 
 from supervisor.sandbox.runner import RunResult, SandboxLimits, SandboxSpec, run_code
 
@@ -73,6 +74,8 @@ class Container:
     # The API key that made it (None: the admin, or a service with no keys):
     # only that key (and the admin) may run code in it.
     owner: str | None = None
+    # Names of the files copied in from /v1/files (listed with source "user").
+    copied_in: set[str] = field(default_factory=set)
 
     def usable_by(self, scope: str | None) -> bool:
         return scope is None or self.owner == scope
@@ -80,12 +83,14 @@ class Container:
     def files(self) -> tuple[list[FileInfo], bool]:
         """Regular files under the folder (no symlink followed), bounded;
         True when there were more."""
-        found, truncated = _scan(self.path)
+        found, truncated = scan(self.path)
         return [FileInfo(name, size) for name, (size, _) in sorted(found.items())], truncated
 
-    def read(self, name: str, max_bytes: int) -> bytes:
-        """A file's bytes; refuses links, folders, other files than regular
-        ones, paths out of the folder and files over ``max_bytes``."""
+    def open(self, name: str, max_bytes: int) -> tuple[BinaryIO, int]:
+        """(the open file, its size) of the regular file ``name``: each folder
+        on the way opened without following a link, the file too; refused
+        when it is not a regular file, is out of the folder or is over
+        ``max_bytes``. The caller closes it."""
         parts = name.split("/")
         if any(p in ("", ".", "..") for p in parts):
             raise ContainerError(f"invalid file name {name[:80]!r}")
@@ -95,18 +100,28 @@ class Container:
                 nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
                 os.close(fd)
                 fd = nxt
-            try:
-                file_fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
-            except OSError as exc:
-                raise ContainerError(f"no file {name[:80]!r} in container {self.id}") from exc
+            # O_NONBLOCK: a FIFO the code made opens at once (and is refused below) instead of waiting for a writer.
+            file_fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+        except OSError as exc:
+            raise ContainerError(f"no file {name[:80]!r} in container {self.id}") from exc
         finally:
             os.close(fd)
-        with os.fdopen(file_fd, "rb") as f:
-            st = os.fstat(f.fileno())
+        # Checked on the bare descriptor: fdopen itself refuses a folder with an OSError of its own.
+        try:
+            st = os.fstat(file_fd)
             if not stat.S_ISREG(st.st_mode):
                 raise ContainerError(f"{name[:80]!r} is not a regular file")
             if st.st_size > max_bytes:
                 raise ContainerError(f"{name[:80]!r} is {st.st_size} bytes, over {max_bytes}")
+        except BaseException:
+            os.close(file_fd)
+            raise
+        return os.fdopen(file_fd, "rb"), st.st_size
+
+    def read(self, name: str, max_bytes: int) -> bytes:
+        """A file's bytes, as :meth:`open` finds it (at most ``max_bytes``)."""
+        f, _ = self.open(name, max_bytes)
+        with f:
             return f.read(max_bytes + 1)[:max_bytes]
 
 
@@ -126,11 +141,16 @@ class ContainerPool:
     def __len__(self) -> int:
         return len(self._containers)
 
+    def owner_ids(self) -> tuple[int, int] | None:
+        """The (uid, gid) the code runs as, when that is not the service's
+        own: a service running as root runs it as spec.uid, which must be
+        able to write its folder and the files put there."""
+        return (self.spec.uid, self.spec.gid) if os.geteuid() == 0 else None
+
     def _own(self, path: Path) -> None:
-        # A service running as root runs the code as spec.uid: it must be
-        # able to write its folder and the files put there.
-        if os.geteuid() == 0:
-            os.chown(path, self.spec.uid, self.spec.gid)
+        ids = self.owner_ids()
+        if ids is not None:
+            os.chown(path, *ids)
 
     def create(self, owner: str | None = None) -> Container:
         self.expire()
@@ -170,10 +190,10 @@ class ContainerPool:
         replace the pool's for this run."""
         spec = self.spec if limits is None else replace(self.spec, limits=limits)
         async with container.lock:
-            before, _ = _scan(container.path)
+            before, _ = scan(container.path)
             result = await run_code(spec, container.path, code)
             container.last_used = self._clock()
-            after, truncated = _scan(container.path)
+            after, truncated = scan(container.path)
             changed = [FileInfo(name, size) for name, (size, mtime) in sorted(after.items())
                        if before.get(name) != (size, mtime)]
             if len(changed) > MAX_LISTED_FILES:
@@ -199,7 +219,7 @@ class ContainerPool:
             self.remove(cid)
 
 
-def _scan(root: Path) -> tuple[dict[str, tuple[int, int]], bool]:
+def scan(root: Path) -> tuple[dict[str, tuple[int, int]], bool]:
     """{relative name: (size, mtime_ns)} of the regular files under root,
     walked without following a link, at most MAX_SCANNED_ENTRIES entries."""
     found: dict[str, tuple[int, int]] = {}

@@ -6,7 +6,9 @@ the one the tool names (``container: "cntr_..."``), or with
 ``container: {"type": "auto"}`` the one an earlier call of the conversation
 used while it lives, else a new one, made at the first call. Its logs (and
 images) become the ``code_interpreter_call`` item's outputs, which the
-model reads back. Off until an admin enables it (``code_interpreter``) and
+model reads back. ``file_ids`` (uploads of the caller's key) are copied
+into the container before its first run here; an answer naming a file a
+run wrote cites it (``container_file_citation``). Off until an admin enables it (``code_interpreter``) and
 the sandbox works on this host; otherwise a request with the tool is a 400
 that says why.
 """
@@ -16,12 +18,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
-from supervisor.errors import BadRequest
+from supervisor.errors import BadRequest, NotFound, PayloadTooLarge
 from supervisor.generation.pieces import ToolCall
-from supervisor.generation.tools import CodeInterpreterAuto, CodeInterpreterTool, FunctionTool
+from supervisor.generation.tools import (
+    CodeInterpreterAuto,
+    CodeInterpreterTool,
+    FunctionTool,
+)
+from supervisor.knowledge.files import FileStore
+from supervisor.knowledge.records import FILE_PREFIX, checked_id
 from supervisor.responses.items import (
     CodeImage,
     CodeInterpreterCallItem,
@@ -29,7 +39,14 @@ from supervisor.responses.items import (
     Item,
     new_id,
 )
-from supervisor.sandbox.containers import Container, ContainerError, ContainerPool
+from supervisor.sandbox.containers import (
+    MAX_FILE_NAME,
+    Container,
+    ContainerError,
+    ContainerPool,
+)
+from supervisor.sandbox.files import copy_in, file_id
+from supervisor.sandbox.init import WORK
 from supervisor.sandbox.outputs import call_outputs, call_status
 
 log = logging.getLogger(__name__)
@@ -51,6 +68,12 @@ PARAMETERS: dict[str, Any] = {
 # a few plots fit, not a folder of photos.
 MAX_IMAGE_BYTES = 1 << 20
 _MEMORY_LIMITS_MIB = {"1g": 1024, "4g": 4096, "16g": 16384, "64g": 65536}
+# Files a request may copy into its container (their bytes together are
+# bounded by the pool's max_upload_bytes).
+MAX_INPUT_FILES = 32
+# What may stand before a file's name where an answer links it: the folder
+# the code sees, with or without the "sandbox:" scheme OpenAI's models write.
+_LINK_PREFIXES = (f"sandbox:{WORK}/", f"{WORK}/")
 
 
 @dataclass
@@ -66,8 +89,9 @@ def code_tools(tools: list[Any]) -> list[tuple[int, CodeInterpreterTool]]:
 
 
 def refuse_code(tools: list[Any], containers: Containers, owner: str | None) -> None:
-    """The 400s of a request's code_interpreter tool: off here, files asked
-    for (none are stored here), more than one, a container it may not use."""
+    """The 400s of a request's code_interpreter tool that need no database:
+    off here, more than one, too many file_ids or a malformed one, a
+    network policy, a container it may not use."""
     found = code_tools(tools)
     for n, (i, tool) in enumerate(found):
         if containers.pool is None:
@@ -76,10 +100,12 @@ def refuse_code(tools: list[Any], containers: Containers, owner: str | None) -> 
         if n > 0:
             raise BadRequest("only one code_interpreter tool may be given", param=f"tools[{i}]")
         match tool.container:
-            case CodeInterpreterAuto(file_ids=ids) if ids:
-                raise BadRequest(f"code_interpreter tool tools[{i}]: file_ids are not available here (no "
-                                 "files are stored); the code can write its own",
+            case CodeInterpreterAuto(file_ids=ids) if ids and len(ids) > MAX_INPUT_FILES:
+                raise BadRequest(f"code_interpreter tool tools[{i}]: at most {MAX_INPUT_FILES} file_ids",
                                  param=f"tools[{i}].container.file_ids")
+            case CodeInterpreterAuto(file_ids=ids) if ids:
+                for j, fid in enumerate(ids):
+                    checked_id(fid, FILE_PREFIX, f"tools[{i}].container.file_ids[{j}]")
             case CodeInterpreterAuto(network_policy=policy) if policy and policy.get("type") != "disabled":
                 raise BadRequest(f"code_interpreter tool tools[{i}]: the sandbox has no network here; "
                                  "network_policy may only be {\"type\": \"disabled\"}",
@@ -120,11 +146,19 @@ class CodeSession:
     container: Container | None = None
     # Calls that cannot run (no container, no code in the arguments): why.
     problems: dict[str, str] = field(default_factory=dict)
+    # /v1/files to copy into the container before its first run here: (name, path).
+    inputs: list[tuple[str, Path]] = field(default_factory=list)
+    copied: set[str] = field(default_factory=set)
+    # Files the runs of this response wrote: name -> its container's id.
+    written: dict[str, str] = field(default_factory=dict)
 
     name = CODE_FUNCTION
 
     def function(self) -> FunctionTool:
-        return FunctionTool(name=CODE_FUNCTION, description=DESCRIPTION, parameters=PARAMETERS)
+        # The model opens the files by name: it must read them somewhere.
+        given = f" The working folder holds these files: {', '.join(n for n, _ in self.inputs)}." \
+            if self.inputs else ""
+        return FunctionTool(name=CODE_FUNCTION, description=DESCRIPTION + given, parameters=PARAMETERS)
 
     def _container(self) -> Container:
         if self.container is not None:
@@ -170,6 +204,12 @@ class CodeSession:
         if problem is not None or container is None or item.code is None:
             item.outputs, item.status = [CodeLogs(f"[not run: {problem}]\n")], "failed"
             return
+        try:
+            await self._copy_inputs(container)
+        except OSError as exc:
+            log.warning("copying files into container %s failed: %s", container.id, exc)
+            item.outputs, item.status = [CodeLogs(f"[not run: the files could not be copied in: {exc}]\n")], "failed"
+            return
         limits = self.pool.spec.limits
         if self.memory_mib is not None and self.memory_mib < limits.memory_mib:
             limits = replace(limits, memory_mib=self.memory_mib)
@@ -185,9 +225,79 @@ class CodeSession:
             log.warning("code_interpreter run failed: %s", exc)
             item.outputs, item.status = [CodeLogs(f"[not run: {exc}]\n")], "failed"
             return
+        self.written.update((f.name, container.id) for f in run.files)
         outputs = call_outputs(run, container, wall_s=limits.wall_s, max_image_bytes=MAX_IMAGE_BYTES)
         item.outputs = [CodeLogs(o["logs"]) if o["type"] == "logs" else CodeImage(o["url"]) for o in outputs]
         item.status = call_status(run)
+
+
+    async def _copy_inputs(self, container: Container) -> None:
+        """Copy the request's files into the container once per container,
+        under its lock (no run sees a half-copied file)."""
+        if not self.inputs or container.id in self.copied:
+            return
+        async with container.lock:
+            await asyncio.to_thread(copy_in, container, self.inputs, self.pool.owner_ids())
+        self.copied.add(container.id)
+
+    def annotations(self, text: str) -> list[dict[str, Any]]:
+        """``container_file_citation`` annotations of an answer: each place
+        it writes the name of a file a run of this response wrote (with the
+        folder's path before it, if written so), longest names first, never
+        two on one span."""
+        found: list[tuple[int, int, str]] = []
+        taken: list[tuple[int, int]] = []
+        for name in sorted(self.written, key=lambda n: -len(n)):
+            for match in re.finditer(re.escape(name), text):
+                start, end = match.start(), match.end()
+                prefix = next((p for p in _LINK_PREFIXES if text[max(0, start - len(p)):start] == p), "")
+                start -= len(prefix)
+                if not any(s < end and start < e for s, e in taken):
+                    found.append((start, end, name))
+                    taken.append((start, end))
+        return [{"type": "container_file_citation", "container_id": self.written[name],
+                 "file_id": file_id(self.written[name], name), "filename": name.rsplit("/", 1)[-1],
+                 "start_index": start, "end_index": end} for start, end, name in sorted(found)]
+
+
+async def code_inputs(tools: list[Any], files: FileStore | None, owner: str | None,
+                      max_bytes: int) -> list[tuple[str, Path]]:
+    """The (name, path) of each file the code_interpreter tool's ``file_ids``
+    name, each one ``owner`` may see; a 400 naming the id for one it may
+    not (or that does not exist), two of one name, or a 413 past
+    ``max_bytes`` together."""
+    found = code_tools(tools)
+    if not found or not isinstance(found[0][1].container, CodeInterpreterAuto):
+        return []
+    i, tool = found[0]
+    assert isinstance(tool.container, CodeInterpreterAuto)
+    ids = list(dict.fromkeys(tool.container.file_ids or []))
+    if ids and files is None:
+        raise BadRequest(f"code_interpreter tool tools[{i}]: files are not available on this server",
+                         param=f"tools[{i}].container.file_ids")
+    out: list[tuple[str, Path]] = []
+    total = 0
+    for j, fid in enumerate(ids):
+        assert files is not None
+        param = f"tools[{i}].container.file_ids[{j}]"
+        try:
+            rec = await files.get(checked_id(fid, FILE_PREFIX, param), owner)
+        except NotFound as exc:
+            raise BadRequest(f"code_interpreter tool tools[{i}]: no file with id {fid!r}", param=param,
+                             code="file_not_found") from exc
+        name = rec.filename
+        if len(name.encode()) > MAX_FILE_NAME:
+            raise BadRequest(f"code_interpreter tool tools[{i}]: file {fid} has a name longer than "
+                             f"{MAX_FILE_NAME} bytes, more than a container's folder takes", param=param)
+        if any(name == taken for taken, _ in out):
+            raise BadRequest(f"code_interpreter tool tools[{i}]: two files are named {name!r}; the code opens "
+                             "them by name", param=param)
+        total += rec.bytes
+        if total > max_bytes:
+            raise PayloadTooLarge(f"code_interpreter tool tools[{i}]: the files come to more than {max_bytes} "
+                                  "bytes, the most a container takes in", param=f"tools[{i}].container.file_ids")
+        out.append((name, files.path(rec.id)))
+    return out
 
 
 def open_code(tools: list[Any], items: list[Item], containers: Containers,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -22,6 +23,7 @@ import msgspec
 from supervisor.errors import ApiError, BadRequest
 from supervisor.generation.pieces import ToolCall
 from supervisor.generation.tools import (
+    WEB_SEARCH_TYPES,
     AllowedTools,
     FunctionTool,
     HostedChoice,
@@ -29,16 +31,30 @@ from supervisor.generation.tools import (
     McpToolFilter,
     NamedFunction,
     ToolChoice,
-    WEB_SEARCH_TYPES,
     offer,
     resolve,
 )
 from supervisor.knowledge.service import Knowledge
 from supervisor.responses.hosted.addresses import checked_server_url, url_problem
-from supervisor.responses.hosted.approvals import approved_calls, asks, check_policy, request_item
+from supervisor.responses.hosted.approvals import (
+    approved_calls,
+    asks,
+    check_policy,
+    request_item,
+)
 from supervisor.responses.hosted.availability import available
-from supervisor.responses.hosted.code_interpreter import CodeSession, Containers, open_code, refuse_code
-from supervisor.responses.hosted.file_search import FileSession, KnowledgeRef, open_files
+from supervisor.responses.hosted.code_interpreter import (
+    CodeSession,
+    Containers,
+    code_inputs,
+    open_code,
+    refuse_code,
+)
+from supervisor.responses.hosted.file_search import (
+    FileSession,
+    KnowledgeRef,
+    open_files,
+)
 from supervisor.responses.hosted.mcp_client import McpFailed, McpServer
 from supervisor.responses.hosted.settings import HostedSettings
 from supervisor.responses.hosted.web_search import WebSession, open_web, refuse_web
@@ -132,9 +148,10 @@ class HostedSession:
 
     def annotations(self, text: str) -> list[dict[str, Any]]:
         """The citations of an answer's text (the web_search and file_search
-        results it cites), in text order."""
+        results it cites, the files code wrote that it names), in text order."""
         found = [*(self.web.annotations(text) if self.web is not None else []),
-                 *(self.files.annotations(text) if self.files is not None else [])]
+                 *(self.files.annotations(text) if self.files is not None else []),
+                 *(self.code.annotations(text) if self.code is not None else [])]
         return sorted(found, key=lambda a: int(a.get("start_index", a.get("index", 0))))
 
     def listings(self) -> list[McpListToolsItem]:
@@ -193,6 +210,7 @@ async def refuse_early(valid: ValidRequest, history: list[Item], settings: Hoste
     found = knowledge() if knowledge is not None else None
     tools = _available(valid, settings, containers or Containers(), found)
     refuse_code(tools, containers or Containers(), owner)
+    await _code_inputs(tools, containers or Containers(), found, owner)
     refuse_web(tools, settings)
     await open_files(tools, [], found, owner)
     for i, tool in mcp_tools(valid):
@@ -209,6 +227,15 @@ def _available(valid: ValidRequest, settings: HostedSettings, containers: Contai
     off = {"code_interpreter": containers.pool is None, "web_search": not settings.web_search_url,
            "file_search": knowledge is None or not knowledge.embedder.model}
     return available(valid.body.tools, valid.body.tool_choice, lambda kind: off[kind])
+
+
+async def _code_inputs(tools: list[Any], containers: Containers, knowledge: Knowledge | None,
+                       owner: str | None) -> list[tuple[str, Path]]:
+    """The files the code_interpreter tool copies into its container, checked."""
+    if containers.pool is None:
+        return []
+    return await code_inputs(tools, knowledge.files if knowledge is not None else None, owner,
+                             containers.pool.max_upload_bytes)
 
 
 def _listed_before(items: list[Item], label: str) -> McpListToolsItem | None:
@@ -240,6 +267,8 @@ async def open_session(valid: ValidRequest, history: list[Item], settings: Hoste
     found = knowledge() if knowledge else None
     tools = _available(valid, settings, containers or Containers(), found)
     session.code = open_code(tools, conversation, containers or Containers(), owner)
+    if session.code is not None:
+        session.code.inputs = await _code_inputs(tools, containers or Containers(), found, owner)
     session.web = open_web(tools, conversation, settings)
     session.files = await open_files(tools, conversation, found, owner, valid.caller, list(valid.body.include or []))
     if session.web is not None and session.files is not None:
