@@ -3,8 +3,13 @@ the demo models are written, a dataset job prepares chat data, a fine-tune of
 tiny-random-demo-hf trains a few steps, "Try it" exports its adapter (as the
 job page does), the library links it to tiny-random-demo, and the pair
 answers a chat with the adapter applied; in Chromium, the job page's button
-opens the chat on the pair. Exports get names of their own. Nothing leaves
-loopback."""
+exports it and opens the chat on the pair. Exports get names of their own.
+Nothing leaves loopback.
+
+This is the path of a machine without vLLM: the server is told of no vLLM
+environment (a checkout's own would otherwise be found), so the demo's
+Hugging Face twin cannot serve and Try it exports for llama.cpp. Try it on
+vLLM, with no export, is tests/test_vllm_try_it.py."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import pytest
 pytest.importorskip("peft", reason="needs the train extra")
 
 from jobs.errors import ParamError
+from jobs.finetune_params import ExportParams, FinetuneParams
 from jobs.kinds import validate_params
 from jobs.params import ResolveContext
 from supervisor.models.demo import DEMO_MODEL_NAME
@@ -70,7 +76,8 @@ def srv() -> Iterator[Server]:
             for q, a in QA:
                 f.write(json.dumps({"instruction": q, "output": a}) + "\n")
     env = {"GPUVISOR_WRITE_DEMO_MODEL": "true", "GPUVISOR_DATASETS_DIR": str(data),
-           "GPUVISOR_OUTPUTS_DIR": str(outputs), "OMP_NUM_THREADS": "1"}
+           "GPUVISOR_OUTPUTS_DIR": str(outputs), "OMP_NUM_THREADS": "1",
+           "GPUVISOR_VLLM_PYTHON": str(models.parent / f"{models.name}-no-vllm" / "bin" / "python")}
     with running(Server(models, env=env)) as server:
         yield server
 
@@ -128,12 +135,21 @@ def test_try_it_on_the_job_page_opens_the_chat_on_the_demo(browser: Any, srv: Se
 
     ds = _run_job(srv, "dataset", {"input": "qa.jsonl", "output_name": "qa-ui", "eval_ratio": 0.0})
     job_id = _finetune(srv, ds["result"]["train_path"], merge=False)["id"]
+    # Without vLLM the fine-tune's own adapter dir is listed, and cannot serve.
+    listed = poll_until(lambda: _get(srv, "/api/models"), lambda b: any(a["id"] == job_id for a in b["adapters"]))
+    [own] = [a for a in listed["adapters"] if a["id"] == job_id]
+    [base] = [m for m in listed["data"] if m["id"] == own["links"][0]["base"]]
+    assert (base["engine"], base["usable"]) == ("vllm", False), base
     context, pg, watch = new_page(browser, srv.base_url, DESKTOP)
     try:
         pg.goto(f"{srv.base_url}/#/jobs/{job_id}")
         pg.click(".try-it button")
         pair = f"{DEMO_MODEL_NAME}:{job_id}-lora"
         expect(pg.locator("#chat-model")).to_have_value(pair, timeout=60_000)
+        exports = [j for j in _get(srv, "/api/jobs?kind=export")["data"]
+                   if j["params"].get("output_name") == f"{job_id}-lora"]
+        assert [j["status"] for j in exports] == ["succeeded"], exports
+        assert pg.locator(".start-note").is_hidden()  # llama.cpp: no vLLM start to wait for
         pg.fill("#chat-input", QA[0][0])
         pg.click("form.composer button[type=submit]")
         pg.wait_for_selector(".msg.assistant.completed, .msg.assistant.incomplete", timeout=60_000)
@@ -153,20 +169,21 @@ def test_export_names_are_pinned_or_left_to_the_job(tmp_path: Path) -> None:
     ctx = ResolveContext(roots)
     write_tiny_hf(roots.models / DEMO_HF_NAME)
     own = validate_params("export", {"model": DEMO_HF_NAME}, ctx)
-    assert getattr(own, "output_name") == DEMO_HF_NAME
+    assert isinstance(own, ExportParams) and own.output_name == DEMO_HF_NAME
     (roots.models / f"{DEMO_HF_NAME}.gguf").write_bytes(b"")
     with pytest.raises(ParamError) as exists:
         validate_params("export", {"model": DEMO_HF_NAME}, ctx)
     assert exists.value.code == "output_exists"
     merged = roots.outputs / "job_x" / "merged"
     write_tiny_hf(merged)
-    assert getattr(validate_params("export", {"model": str(merged)}, ctx), "output_name") is None
+    job_named = validate_params("export", {"model": str(merged)}, ctx)
+    assert isinstance(job_named, ExportParams) and job_named.output_name is None
     ft = validate_params("finetune", {"model": DEMO_HF_NAME, "train": _train(roots.datasets),
                                       "export": {}}, ctx)
-    assert getattr(ft, "export").output_name is None
+    assert isinstance(ft, FinetuneParams) and ft.export is not None and ft.export.output_name is None
     named = validate_params("finetune", {"model": DEMO_HF_NAME, "train": _train(roots.datasets),
                                          "output_name": "run1", "export": {}}, ctx)
-    assert getattr(named, "export").output_name == "run1"
+    assert isinstance(named, FinetuneParams) and named.export is not None and named.export.output_name == "run1"
 
 
 def _train(datasets: Path) -> str:
@@ -180,8 +197,8 @@ def test_a_base_named_hf_links_to_the_gguf_of_its_name() -> None:
     """An adapter recorded against ``<name>-hf`` finds the GGUF ``<name>``;
     no other name is taken for it (a merged export, a shorter name)."""
     from supervisor.models.adapters import AdapterInfo, Shapes, link
-    from supervisor.models.library import ModelEntry
     from supervisor.models.gguf_info import GgufInfo
+    from supervisor.models.library import ModelEntry
 
     def entry(model_id: str) -> ModelEntry:
         return ModelEntry(id=model_id, path=f"/m/{model_id}.gguf", files=[f"/m/{model_id}.gguf"], size_bytes=1,

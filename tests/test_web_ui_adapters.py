@@ -1,10 +1,15 @@
 """LoRA adapters in the lab UI, in Chromium: a fine-tune job's "Try it"
 exports its adapter and opens the chat on ``<base>:<adapter>``, which
 answers; the models page lists adapters under their base, a refused one
-with the reason."""
+with the reason.
+
+The server is told of no vLLM environment (a checkout's own would otherwise
+be found): this is Try it for llama.cpp, as on a machine without vLLM.
+Try it on vLLM is tests/test_vllm_try_it.py."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,7 +37,8 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     other = build_tiny_model(tmp / "other" / "tiny-hf", intermediate_size=96)
     convert_adapter(random_adapter(other, tmp / "bad", seed=8), other, models / "bad-lora.gguf", "F16", "bad")
     write_chat_dataset(data / "qa.train.jsonl")
-    env = {"GPUVISOR_DATASETS_DIR": str(data), "GPUVISOR_OUTPUTS_DIR": str(outputs), "OMP_NUM_THREADS": "1"}
+    env = {"GPUVISOR_DATASETS_DIR": str(data), "GPUVISOR_OUTPUTS_DIR": str(outputs), "OMP_NUM_THREADS": "1",
+           "GPUVISOR_VLLM_PYTHON": str(tmp / "no-vllm" / "bin" / "python")}
     with running(Server(models, env=env, model="tiny-hf")) as s:
         yield s
 
@@ -62,13 +68,20 @@ def test_try_it_exports_the_adapter_and_chats_with_it(desk: Any, srv: Server) ->
 
     job_id = _finetune(srv)
     desk.goto(f"{srv.base_url}/#/jobs/{job_id}")
+    clicked = time.monotonic()
     desk.click(".try-it button")
     expect(desk.locator("#chat-model")).to_have_value("tiny-hf:ft-lora", timeout=60_000)
+    opened = time.monotonic() - clicked
+    exports = httpx.get(f"{srv.base_url}/api/jobs?kind=export", timeout=10).json()["data"]
+    assert [(j["params"]["output_name"], j["status"]) for j in exports] == [("ft-lora", "succeeded")], exports
     desk.fill("#chat-input", "What colour is the sky?")
     desk.click("form.composer button[type=submit]")
     desk.wait_for_selector(".msg.assistant.completed, .msg.assistant.incomplete", timeout=60_000)
+    answered = time.monotonic() - clicked
     assert not desk.locator(".msg.assistant.failed").count()
     assert desk.locator(".msg.assistant .who").first.text_content() == "tiny-hf:ft-lora"
+    print(f"\nTry it on llama.cpp: chat open {opened:.1f} s after the click (the export included), "
+          f"first answer after {answered:.1f} s")
     # Exported once: a second "Try it" finds the adapter there and opens the chat again.
     desk.goto(f"{srv.base_url}/#/jobs/{job_id}")
     desk.click(".try-it button")

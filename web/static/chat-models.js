@@ -5,6 +5,7 @@
 import { getJson } from './api.js';
 import { errorBox, h, replace } from './dom.js';
 import { poll } from './poll.js';
+import { VLLM_START } from './chat-start.js';
 
 // What the model picker says about each model's state.
 export function modelStateText(m) {
@@ -29,7 +30,9 @@ export function engineName(m) {
 export function loadingState(model, info) {
   if (!info) return null;
   switch (info.state) {
-    case 'unloaded': case 'starting': return { text: `Loading the model ${model}…`, progress: info.progress };
+    case 'unloaded': case 'starting':
+      if (info.engine === 'vllm') return { text: `Starting the vLLM worker for ${model} (${VLLM_START})…`, progress: info.progress };
+      return { text: `Loading the model ${model}…`, progress: info.progress };
     case 'crashed': return { text: `${model} crashed and is restarting…`, progress: null };
     case 'draining': case 'stopping': return { text: `Waiting for ${model} (it is unloading)…`, progress: null };
     default: return null;
@@ -46,7 +49,7 @@ const IDLE_MS = 5000;
 // `current()` is the conversation's model; `onPick(id)` hears the choice;
 // `onList()` runs after each refresh; `onError(box)` shows a failed first list.
 export function modelPicker(select, { wanted = null, current, onPick, onList, onError }) {
-  const infos = new Map(); // picker id -> { state, progress, vision, visionError }
+  const infos = new Map(); // picker id -> { state, progress, vision, visionError, engine, base }
   let pending = wanted;
   let firstList = true;
   let hurry = false;
@@ -62,7 +65,7 @@ export function modelPicker(select, { wanted = null, current, onPick, onList, on
       return;
     }
     const usable = body.data.filter((m) => m.usable)
-      .flatMap((m) => [m, ...(m.adapters || []).map((a) => ({ ...m, id: a.model }))]);
+      .flatMap((m) => [{ ...m, base: m.id }, ...(m.adapters || []).map((a) => ({ ...m, id: a.model, base: m.id }))]);
     if (!usable.length) {
       replace(select, h('option', { value: '', text: 'No usable model' }));
       return;
@@ -70,7 +73,10 @@ export function modelPicker(select, { wanted = null, current, onPick, onList, on
     const keep = firstList ? null : select.value;
     infos.clear();
     for (const m of usable) {
-      infos.set(m.id, { state: m.state, progress: m.load?.progress ?? null, vision: Boolean(m.vision), visionError: m.vision_error || '' });
+      infos.set(m.id, {
+        state: m.state, progress: m.load?.progress ?? null, vision: Boolean(m.vision), visionError: m.vision_error || '',
+        engine: m.engine, base: m.base,
+      });
     }
     replace(select, usable.map((m) => h('option', { value: m.id, dataset: { state: m.state }, text: `${m.id} — ${[engineName(m), modelStateText(m)].filter(Boolean).join(' · ')}` })));
     const has = (id) => id && infos.has(id);

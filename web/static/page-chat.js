@@ -7,12 +7,14 @@
 // file picker, drag-and-drop or paste, for models whose projector loaded
 // (``vision`` in /api/models); they are sent inline as data: URLs. Until
 // its first token, a turn to a model that is not loaded says it loads, with
-// the load's progress (the picker and that line: chat-models.js). The hosted
+// the load's progress (the picker and that line: chat-models.js); a vLLM
+// model's slow start is said under the picker (chat-start.js). The hosted
 // tools the server runs are switched on in the settings and each call they
 // make shows in the answer (chat-calls.js).
 import { send } from './api.js';
 import { errorBox, formatNumber, h, progressBar, replace } from './dom.js';
 import { loadingState, modelPicker } from './chat-models.js';
+import { startNotice } from './chat-start.js';
 import { ChatSession } from './chat-stream.js';
 import { callList, followCall, requestTools, toolProblem, toolSettings } from './chat-calls.js';
 import { busyBox, isDeviceBusy, positionText, waitForDevice } from './chat-wait.js';
@@ -126,6 +128,8 @@ export function mount(root, _params, query) {
   const stopBtn = h('button', { type: 'button', class: 'danger', text: 'Stop', hidden: true });
   const newBtn = h('button', { type: 'button', class: 'secondary', text: 'New chat' });
   const formError = h('div', { class: 'form-error', role: 'alert' });
+  // Try it on vLLM asks for its worker's start (start=1), said until it serves.
+  const start = startNotice(query?.get('start') === '1' ? query.get('model') : null, formError);
   const picker = h('input', { id: 'chat-image-file', type: 'file', accept: IMAGE_TYPES.join(','), multiple: true, hidden: true });
   const attachBtn = h('button', { type: 'button', class: 'secondary', text: 'Attach image', 'aria-controls': 'chat-image-file' });
   const thumbs = h('div', { class: 'chat-images attached', 'aria-label': 'Images to send' });
@@ -150,7 +154,7 @@ export function mount(root, _params, query) {
       h('section', { class: 'card chat-main', 'aria-label': 'Chat' },
         // The model stays in view on a phone too, where the settings fold away.
         h('div', { class: 'chat-model-bar' }, h('label', { for: 'chat-model', text: 'Model' }), modelSel),
-        transcript, composer)));
+        start.el, transcript, composer)));
   if (window.matchMedia('(max-width: 760px)').matches) { settings.open = false; history.open = false; }
 
   let controller = null;
@@ -337,8 +341,8 @@ export function mount(root, _params, query) {
   const models = modelPicker(modelSel, {
     wanted: query?.get('model') || null,
     current: () => c.model,
-    onPick: (id) => { c.model = id; },
-    onList: showLoading,
+    onPick: (id) => { c.model = id; start.update(id, models.info(id), () => models.now()); },
+    onList: () => { showLoading(); start.update(modelSel.value, models.info(modelSel.value), () => models.now()); },
     onError: (box) => replace(formError, box),
   });
 

@@ -52,18 +52,40 @@ const jobLink = (kind, params, text) => {
   return h('a', { class: 'next-step', href: `#/jobs?${q}`, text });
 };
 
-// "Try it": a fine-tune's adapter served on its base model, in the chat.
-// The adapter is exported to a GGUF LoRA adapter first unless it was; then
-// the chat opens with <base>:<adapter> once the model library links them.
+// "Try it": a fine-tune's adapter served on its base model, in the chat,
+// by an engine chosen here, deliberately:
+// - vLLM serves the adapter dir as the fine-tune wrote it. The library
+//   lists <outputs>/<name>/adapter as adapter <name> on its Hugging Face
+//   base; when that base is served by vLLM and usable, the chat opens on
+//   <base>:<name> at once, with no export (vllmPair), and asks the chat to
+//   start the base's worker while the user types: that start takes 30-60 s
+//   on a CPU, which the chat says until the worker serves (chat-start.js).
+// - Otherwise (no vLLM environment, a GGUF-only base, or an adapter the
+//   vLLM worker refused) the adapter is exported to a GGUF LoRA adapter
+//   <name>-lora for llama.cpp, unless it was, and the chat opens on
+//   <base>:<name>-lora once the library links it.
 const TRY_WAIT_MS = 120000;
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
-async function exportedAdapter(r, say) {
+// The vLLM pair for a fine-tune's result `r` from an /api/models `body`:
+// {pair, base} when its own adapter dir (matched by path, so a model dir's
+// adapter of the same name is not taken for it) fits a usable vLLM base
+// whose worker did not refuse it; else null.
+export function vllmPair(body, r) {
+  if (!r.output_dir || !r.adapter_path) return null;
+  const adapter = (body.adapters || []).find((a) => a.id === base(r.output_dir) && a.path === r.adapter_path);
+  if (!adapter?.usable || adapter.adapter_error) return null;
+  const models = new Map((body.data || []).map((m) => [m.id, m]));
+  const link = adapter.links.find((l) => l.fits && models.get(l.base)?.engine === 'vllm' && models.get(l.base).usable);
+  return link ? { pair: link.model, base: link.base } : null;
+}
+
+async function exportedAdapter(r, say, body) {
   if (r.adapter_export?.adapter) return r.adapter_export.adapter;
   if (r.adapter?.adapter) return r.adapter.adapter; // an export job of an adapter
   const name = `${base(r.output_dir)}-lora`;
-  if (((await getJson('api/models')).adapters || []).some((a) => a.id === name)) return name; // exported before
-  say('Exporting the adapter…');
+  if ((body.adapters || []).some((a) => a.id === name)) return name; // exported before
+  say('Exporting the adapter for llama.cpp…');
   let job;
   try {
     job = await postJson('api/jobs', { kind: 'export', params: { model: r.adapter_path, output_name: name } });
@@ -91,14 +113,25 @@ async function pairFor(adapterId, say) {
   throw new Error(`the library never listed adapter ${adapterId}`);
 }
 
+// The chat URL for Try it: on vLLM it asks the chat to start the worker.
+async function tryItTarget(r, say) {
+  const body = await getJson('api/models');
+  const live = vllmPair(body, r);
+  if (live) {
+    say(`vLLM serves ${live.pair} with no export; opening the chat…`);
+    return `#/chat?${new URLSearchParams({ model: live.pair, start: '1' })}`;
+  }
+  const pair = await pairFor(await exportedAdapter(r, say, body), say);
+  return `#/chat?${new URLSearchParams({ model: pair })}`;
+}
+
 function tryItButton(r) {
   const note = h('span', { class: 'small muted', role: 'status' });
   const button = h('button', { type: 'button', class: 'primary', text: 'Try it', title: 'Serve the adapter on its base model and chat with it' });
   button.addEventListener('click', async () => {
     button.disabled = true;
     try {
-      const pair = await pairFor(await exportedAdapter(r, (t) => { note.textContent = t; }), (t) => { note.textContent = t; });
-      window.location.hash = `#/chat?model=${encodeURIComponent(pair)}`;
+      window.location.hash = await tryItTarget(r, (t) => { note.textContent = t; });
     } catch (err) {
       replace(note, errorBox(err, 'Try it failed'));
       button.disabled = false;
