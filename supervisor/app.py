@@ -53,6 +53,7 @@ from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
 from supervisor.knowledge.schema import KNOWLEDGE_SCHEMA, VECTOR_BLOCKS_SCHEMA
 from supervisor.lab.gpu_setup import build_lease, gpu_room
+from supervisor.lab.job_schema import NODE_FILES_SCHEMA
 from supervisor.lab.leftovers import remove_stale_sockets
 from supervisor.lab.runner import JobRunner, RunnerSettings
 from supervisor.lab.store import JOBS_OWNER_SCHEMA, JOBS_SCHEMA, JobStore
@@ -73,7 +74,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Database migrations, in order; only ever append.
 MIGRATIONS = [JOBS_SCHEMA, responses.RESPONSES_SCHEMA, auth.AUTH_SCHEMA, responses.RESPONSE_EVENTS_SCHEMA,
-              JOBS_OWNER_SCHEMA, RESPONSES_OWNER_SCHEMA, KNOWLEDGE_SCHEMA, VECTOR_BLOCKS_SCHEMA]  # append only
+              JOBS_OWNER_SCHEMA, RESPONSES_OWNER_SCHEMA, KNOWLEDGE_SCHEMA, VECTOR_BLOCKS_SCHEMA,
+              NODE_FILES_SCHEMA]  # append only
 
 
 @web.middleware
@@ -199,7 +201,9 @@ async def runner_ctx(app: web.Application) -> AsyncIterator[None]:
         heartbeat_timeout_s=cfg.job_heartbeat_timeout, stop_timeout_s=cfg.job_grace_s,
         retention_s=cfg.job_retention_days * 86400, extra_env=extra_env),
         # On a cluster, jobs whose devices are a node's run there.
-        nodes=launcher if isinstance(launcher := app[POOL].launcher, RayLauncher) else None)
+        nodes=launcher if isinstance(launcher := app[POOL].launcher, RayLauncher) else None,
+        # Models downloaded into nodes' own caches: listed, and placed only where they are.
+        on_node_models=app[POOL].set_node_models)
     app[JOB_STORE] = runner.store
     app[JOB_RUNNER] = runner
     app[JOB_SETTINGS] = routes_jobs.JobSettings(

@@ -74,7 +74,8 @@ class FakeHub:
     url: str = ""
     _runner: web.AppRunner | None = None
 
-    async def start(self) -> str:
+    async def start(self, port: int = 0) -> str:
+        """Serve on loopback (``port`` 0: any free one); the base URL."""
         app = web.Application()
         app.router.add_get("/api/models/{owner}/{name}", self._info)
         app.router.add_get("/api/models/{owner}/{name}/revision/{rev}", self._info)
@@ -87,7 +88,7 @@ class FakeHub:
         app.middlewares.append(self._record)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
         await site.start()
         port = self._runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{port}"

@@ -15,7 +15,11 @@ on its own (its name is no test_*.py); run outside that namespace it skips.
   the stream ends with an error and [DONE], node-b's GPU leaves the lease,
   and the model comes back on node-a (a GPU before node-c's RAM), where a
   chat works.
-- A server stopped by SIGTERM exits cleanly and its worker on the node ends.
+- A server stopped by SIGTERM exits cleanly and its workers on the nodes
+  end. Before that, a download job naming node-a fetches a model from a
+  fake Hub on loopback into node-a's own Hub cache; the library lists it
+  held on node-a, and its worker goes to node-a although node-b has more
+  room; a node that is not in the cluster is a 400.
 - A job booking node-b's GPU runs there, started by node-b's agent with
   that GPU pinned, while a chat is served on node-a; its events reach
   /api/jobs/{id}/events, and a cancel stops it there; a second job there is
@@ -31,6 +35,7 @@ on its own (its name is no test_*.py); run outside that namespace it skips.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -42,8 +47,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +64,7 @@ from supervisor.workers.handle import WorkerHandle, WorkerState
 from supervisor.workers.queue import WorkerGone
 from supervisor.workers.ray_launcher import RayLauncher, RayProcess
 from supervisor.workers.spec import Timing, WorkerSpec
+from tests.fake_hub import FakeFile, FakeHub, FakeRepo
 from tests.server import REPO, Server, poll_until, running, short_tempdir
 from worker import protocol as p
 
@@ -89,6 +97,12 @@ class Cluster:
     address: str
     nodes: dict[str, str]  # node name -> node id
     start_node: Callable[[str], None]  # starts (again) the node of this name
+    hf_homes: dict[str, Path]  # each node's own HF_HOME (its local Hub cache is hub/ in it)
+
+
+# The Hub the nodes reach (a fake one this test serves on loopback): a fixed
+# port, since the nodes' environment is set when they start. Outside Ray's ranges.
+HUB_PORT = 6391
 
 
 def _fake_smi(bin_dir: Path, name: str) -> None:
@@ -116,14 +130,19 @@ def cluster() -> Iterator[Cluster]:
         _ray("start", "--head", f"--port={HEAD_PORT}", "--num-gpus=0", "--include-dashboard=false",
              "--disable-usage-stats", *common, env={**env, **FAST_HEALTH_CHECK})
 
+        hf_homes = {name: temp / f"{name}-hf" for name in FREE_MIB}
+
         def start_node(name: str) -> None:
             path = env["PATH"]
             if FREE_MIB[name] is not None:
                 if not (temp / name).exists():
                     _fake_smi(temp / name, name)
                 path = f"{temp / name}:{path}"
+            # Each node's own Hub cache, and the Hub it downloads from.
+            hub = {"HF_HOME": str(hf_homes[name]), "HF_ENDPOINT": f"http://127.0.0.1:{HUB_PORT}",
+                   "HF_HUB_DISABLE_XET": "1"}
             _ray("start", f"--address={ADDRESS}", "--num-gpus=1", f"--labels=gpuvisor-node={name}", *common,
-                 env={**env, "PATH": path})
+                 env={**env, **hub, "PATH": path})
 
         for name in FREE_MIB:
             start_node(name)
@@ -133,7 +152,7 @@ def cluster() -> Iterator[Cluster]:
         nodes = {n["Labels"].get("gpuvisor-node", ""): n["NodeID"] for n in ray.nodes()  # type: ignore[no-untyped-call]
                  if n["Alive"] and n["Resources"].get("GPU", 0) >= 1}
         assert set(nodes) == set(FREE_MIB), ray.nodes()  # type: ignore[no-untyped-call]
-        yield Cluster(ADDRESS, nodes, start_node)
+        yield Cluster(ADDRESS, nodes, start_node, hf_homes)
     finally:
         if "ray" in sys.modules:
             # A driver still connected when its raylet stops exits with an error.
@@ -254,7 +273,7 @@ async def test_a_node_agent_starts_a_worker_that_serves_and_a_forged_hello_is_re
     while True:
         try:
             await asyncio.wait_for(node_agent.actor.wait.remote(pid), 30)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - Ray wraps the agent's UnknownWorker in a class of its own
             assert f"no worker with pid {pid}" in str(exc), exc
             break
         assert time.monotonic() < deadline, "the agent never forgot the reaped worker"
@@ -304,6 +323,55 @@ def test_a_chat_streams_through_a_node_and_a_killed_parent_leaves_no_worker(
         print(f"measured: worker and agent gone {time.monotonic() - killed:.1f}s after the parent's SIGKILL")
 
 
+@contextmanager
+def _hub_on_loopback(hub: FakeHub) -> Iterator[FakeHub]:
+    """The fake Hub served from a thread of its own (these tests are synchronous)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="fake-hub", daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(hub.start(HUB_PORT), loop).result(30)
+        yield hub
+    finally:
+        asyncio.run_coroutine_threadsafe(hub.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+def _download_to_node_a(srv: Server, cluster: Cluster, tiny_model_path: Path) -> str:
+    """A download job naming node-a, from the fake Hub into node-a's own cache:
+    the result names node-a, the library lists the model held there, and its
+    worker goes to node-a although node-b has more room. The model's id."""
+    hub = FakeHub(repos={"org/Tiny-GGUF": FakeRepo({"Tiny-Q8_0.gguf": FakeFile(tiny_model_path.read_bytes())})})
+    with _hub_on_loopback(hub):
+        r = httpx.post(srv.base_url + "/api/jobs", timeout=60, json={
+            "kind": "download", "params": {"repo_id": "org/Tiny-GGUF", "node": "node-a"}})
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        done = poll_until(lambda: _job(srv, job_id), lambda j: j["status"] not in ("queued", "running"),
+                          timeout=90, interval=0.2)
+    assert done["status"] == "succeeded", done
+    assert done["result"]["node"] == "node-a", done["result"]
+    local = Path(done["result"]["files"][0]["local_path"])
+    assert local.is_relative_to(cluster.hf_homes["node-a"] / "hub") and local.is_file(), local
+    assert f"job process {job_id}.log started on node node-a" in srv.log_text()
+    model = done["result"]["model_id"]
+    listed = {m["id"]: m for m in httpx.get(srv.base_url + "/api/models", timeout=30).json()["data"]}
+    assert listed[model]["nodes"] == ["node-a"] and listed[model]["usable"], listed[model]
+    # A node that is not in the cluster is a 400 naming it.
+    r = httpx.post(srv.base_url + "/api/jobs", timeout=60, json={
+        "kind": "download", "params": {"repo_id": "org/Tiny-GGUF", "node": "node-z"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "params.node", r.text
+    assert "node-z" in r.json()["error"]["message"]
+    r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=120, json={
+        "model": model, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    worker = srv.worker(model)
+    assert worker["devices"] == ["node-a/cuda:0"], worker
+    return str(model)
+
+
 def test_a_stopped_parent_stops_its_workers_on_the_nodes(cluster: Cluster, tiny_model_path: Path) -> None:
     srv = _cluster_server(cluster, tiny_model_path)
     with running(srv):
@@ -313,9 +381,12 @@ def test_a_stopped_parent_stops_its_workers_on_the_nodes(cluster: Cluster, tiny_
         assert r.json()["usage"]["completion_tokens"] == 3
         pid = int(srv.worker()["pid"])
         assert _running(pid)
+        assert srv.worker()["devices"] == ["node-b/cuda:0"]  # the most room
+        held = int(srv.worker(_download_to_node_a(srv, cluster, tiny_model_path))["pid"])
         # The service's own stop (systemctl stop): the worker is shut down, the driver leaves.
         assert srv.stop(signal.SIGTERM, timeout=60) == 0, srv.log_text()[-3000:]
-        poll_until(lambda: _running(pid), lambda alive: not alive, timeout=ORPHAN_BOUND_S, interval=0.2)
+        poll_until(lambda: (_running(pid), _running(held)), lambda alive: alive == (False, False),
+                   timeout=ORPHAN_BOUND_S, interval=0.2)
 
 
 def test_a_stream_through_a_node_against_a_local_worker(cluster: Cluster, tiny_model_path: Path) -> None:
@@ -494,7 +565,8 @@ def test_a_node_lost_mid_stream_ends_the_stream_and_the_model_comes_back_on_anot
                     _raylet_of(cluster.nodes["node-b"]).kill()
                     lost = time.monotonic()
                     # The raylet's workers end with it: the agent, which holds the worker's stdin.
-                    poll_until(lambda: _running(agent_pid), lambda alive: not alive, timeout=ORPHAN_BOUND_S)
+                    poll_until(functools.partial(_running, agent_pid), lambda alive: not alive,
+                               timeout=ORPHAN_BOUND_S)
                     try:
                         os.kill(pid, signal.SIGCONT)
                     except ProcessLookupError:

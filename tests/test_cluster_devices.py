@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from supervisor.config import ModelSettings
+from supervisor.errors import Unavailable
 from supervisor.lab.lease import GpuLease, cpu_device
 from supervisor.models.devices import MIB, GpuReading
 from supervisor.models.gguf_info import read_gguf_info
@@ -20,9 +21,11 @@ from supervisor.models.gpu_reading import device_node
 from supervisor.models.library import ModelEntry
 from supervisor.models.memfit import ContextDecision, DoesNotFit
 from supervisor.models.placement import GPU_RUNTIME_RESERVE, plan_load
+from supervisor.models.slots import SlotAsk
 from supervisor.workers.cluster_nodes import ClusterNodes, node_readings
 from supervisor.workers.gpu_room import GpuRoom
 from supervisor.workers.ray_launcher import ClusterError, ClusterNode, _name_for
+from supervisor.workers.room import Room
 from tests import gguf_headers as hdr
 
 GIB = 1024 * MIB
@@ -264,3 +267,38 @@ async def test_a_placement_waits_for_a_stopped_workers_memory_on_its_node() -> N
                               4 * GIB)])
     await room.readings()
     assert clock.now >= 10  # 12 GiB free never showed the 15 expected
+
+
+class _RoomConfig:
+    n_ctx = 4096
+    min_ctx = 1024
+    memory_budget_mib = 0
+    load_wait_timeout = 0.0
+    max_loaded_models = 4
+
+
+async def _no_drop(_key: tuple[str, bool], _reason: str) -> None:
+    raise AssertionError("nothing is loaded to drop")
+
+
+async def test_a_model_on_a_nodes_own_disk_goes_only_to_a_node_that_holds_it(tmp_path: Path) -> None:
+    path = hdr.llama_gqa(tmp_path / "big.gguf")
+    held = {"node-a": "/node-a/hub/big.gguf"}
+    entry = ModelEntry(id="org/big", path=held["node-a"], files=[held["node-a"]], size_bytes=8 * GIB,
+                       source="node", root="", mtime=0.0, info=read_gguf_info(path), nodes=held)
+    # node-b has the most room, and the GPU of node-a fits it too: held on node-a only, it goes there.
+    nodes = _Nodes([_gpu("node-a", 0, 14), _gpu("node-b", 0, 20)])
+    room = Room(_RoomConfig(), {}, {}, _no_drop, asyncio.Event(),
+                gpus=GpuRoom(None, (), lambda _d: None, 0.1, nodes=nodes))
+    _, placed = await room.fit_placed(entry, ModelSettings(), False, SlotAsk(4, 4), False)
+    assert placed.node == "node-a" and placed.devices == ["node-a/cuda:0"]
+    # The same file in the shared models dir (no holders named) takes the most room.
+    shared = ModelEntry(id="big", path=str(path), files=[str(path)], size_bytes=8 * GIB, source="dir",
+                        root=str(tmp_path), mtime=0.0, info=read_gguf_info(path))
+    _, placed = await room.fit_placed(shared, ModelSettings(), False, SlotAsk(4, 4), False)
+    assert placed.node == "node-b"
+    # node-a gone: nowhere to load it, and the refusal says why.
+    nodes.readings = [_gpu("node-b", 0, 20)]
+    with pytest.raises(Unavailable, match="held only on node-a") as info:
+        await room.fit_placed(entry, ModelSettings(), False, SlotAsk(4, 4), False)
+    assert info.value.code == "model_not_on_any_node"

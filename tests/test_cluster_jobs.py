@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +31,14 @@ from supervisor.lab.job_process import group_alive
 from supervisor.lab.job_schema import Job
 from supervisor.lab.lease import GpuLease, cpu_device
 from supervisor.lab.node_exec import job_node
+from supervisor.lab.node_files import NodeFiles
 from supervisor.lab.node_jobs import NodeJobLost
 from supervisor.lab.runner import JobRunner, RunnerSettings
 from supervisor.models.demo import write_tiny_gguf
 from supervisor.models.devices import GpuReading
+from supervisor.models.entry import ModelEntry
 from supervisor.workers.node_agent import NodeAgent
+from tests.fake_hub import FakeFile, FakeHub, FakeRepo
 from tests.jobsupport import (
     make_roots,
     open_store,
@@ -87,6 +90,9 @@ class AgentNodes:
     async def node_names(self) -> list[str]:
         return list(self.agents)
 
+    async def read_model(self, node: str, path: str) -> bytes:
+        return await self.agents[node].read_model(path)
+
     async def start_job(self, node: str, argv: list[str], env: dict[str, str], stdin_line: bytes,
                         log_name: str) -> AgentJob:
         agent = self.agents.get(node)
@@ -114,7 +120,8 @@ class ClusterLab:
 
 
 @asynccontextmanager
-async def cluster_lab(base: Path, **settings: object) -> AsyncIterator[ClusterLab]:
+async def cluster_lab(base: Path, on_node_models: Callable[[list[ModelEntry]], None] | None = None,
+                      **settings: object) -> AsyncIterator[ClusterLab]:
     roots = make_roots(base)
     opts: dict[str, object] = {"heartbeat_timeout_s": 30.0, "keepalive_s": 0.5, "stop_timeout_s": 3.0}
     opts.update(settings)
@@ -124,7 +131,7 @@ async def cluster_lab(base: Path, **settings: object) -> AsyncIterator[ClusterLa
     async with open_store(base / "state" / "gpuvisor.db") as store:
         lease = GpuLease([cpu_device()])
         lease.set_node("node-b", [_reading("node-b", 0), _reading("node-b", 1)])
-        runner = JobRunner(store, lease, cfg, nodes=nodes)
+        runner = JobRunner(store, lease, cfg, nodes=nodes, on_node_models=on_node_models)
         await runner.start()
         try:
             yield ClusterLab(runner, lease, nodes, agent_dir, roots)
@@ -227,6 +234,57 @@ async def test_the_lease_books_one_machines_devices_for_a_job() -> None:
         lease.on_one_machine(["cpu", "node-b/cuda:0"])
     lease.set_node("node-b", [_reading("node-b", 0), _reading("node-b", 1)])
     assert lease.on_one_machine(["cpu", "node-b/cuda:0"]) == ["node-b/cuda:0", "node-b/cuda:1"]
+
+
+async def test_a_download_naming_a_node_fills_that_nodes_own_cache_and_is_recorded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real download from a Hub on loopback, run by node-b's agent: the file
+    lands in node-b's own Hub cache (its HF_HOME), not the parent's shared
+    one; the result names the node; the parent records it in SQLite with the
+    header the agent read there, and lists the model with node-b as its holder,
+    again after a restart."""
+    hub = FakeHub()
+    url = await hub.start()
+    model = write_tiny_gguf(tmp_path / "tiny.gguf")
+    hub.repos["org/Tiny-GGUF"] = FakeRepo({"Tiny-Q8_0.gguf": FakeFile(model.read_bytes()),
+                                           "README.md": FakeFile(b"# tiny\n", lfs=False)})
+    # node-b's own environment (its agent's): its HF_HOME, and the Hub it reaches.
+    node_home, shared = tmp_path / "node-b-hf", tmp_path / "shared-hub"
+    monkeypatch.setenv("HF_HOME", str(node_home))
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    listed: list[list[ModelEntry]] = []
+    try:
+        async with cluster_lab(tmp_path / "lab", listed.append, extra_env={"HF_HUB_CACHE": str(shared)}) as lab:
+            assert listed == [[]]  # nothing recorded yet
+            params = validate_params("download", {"repo_id": "org/Tiny-GGUF", "node": "node-b"},
+                                     ResolveContext(lab.roots))
+            job, _ = await lab.runner.submit("download", params)
+            done = await wait_finished(lab.runner.store, job.id)
+            assert done.status == "succeeded", done.error
+            assert done.result is not None and done.result["node"] == "node-b"
+            (started,) = lab.nodes.started
+            assert started.node == "node-b"
+            (file,) = done.result["files"]
+            local = Path(file["local_path"])
+            assert local.is_relative_to(node_home / "hub") and local.read_bytes() == model.read_bytes()
+            assert not shared.exists()  # the parent's cache got nothing
+            (held,) = await NodeFiles(lab.runner.store.db).held_models()
+            assert (held.model_id, held.node, held.path) == ("org/Tiny-GGUF/Tiny-Q8_0", "node-b", str(local))
+            assert held.info is not None and held.info.n_layer > 0 and held.size_bytes == model.stat().st_size
+            (entry,) = listed[-1]
+            assert entry.id == "org/Tiny-GGUF/Tiny-Q8_0" and entry.nodes == {"node-b": str(local)}
+            assert entry.usable and entry.source == "node" and entry.info == held.info
+            store = lab.runner.store
+            # A restart lists it again from the record.
+            again: list[list[ModelEntry]] = []
+            runner = JobRunner(store, lab.lease, lab.runner.settings, nodes=lab.nodes, on_node_models=again.append)
+            await runner.start()
+            await runner.stop()
+            assert [e.nodes for e in again[0]] == [{"node-b": str(local)}]
+    finally:
+        await hub.close()
 
 
 def _job(job_id: str, kind: str, params: dict[str, object]) -> Job:

@@ -67,6 +67,8 @@ def describe_model(entry: ModelEntry, pool: WorkerPool, for_user: bool = False) 
         "kind": entry.kind,
         "engine": entry.engine,
         "repo_id": entry.repo_id,
+        # The cluster nodes whose own disks hold it (None: in the shared directories).
+        "nodes": sorted(entry.nodes) or None,
         "mmproj": entry.mmproj,
         "projector_note": entry.projector_note,
         "vision": media.vision,

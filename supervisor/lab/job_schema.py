@@ -79,8 +79,27 @@ JOBS_OWNER_SCHEMA: list[str] = [
     "ALTER TABLE jobs ADD COLUMN owner TEXT",
     "CREATE INDEX jobs_owner ON jobs(owner, n)",
 ]
+# The files cluster nodes hold in their own Hub caches, one row per file a
+# download job that named a node wrote there (supervisor/lab/node_files.py).
+# The model's first file carries the model's id and its GGUF header as read there.
+NODE_FILES_SCHEMA: list[str] = [
+    """CREATE TABLE node_files (
+        node TEXT NOT NULL,
+        local_path TEXT NOT NULL,
+        model_id TEXT,
+        repo_id TEXT NOT NULL,
+        revision TEXT NOT NULL,
+        repo_path TEXT NOT NULL,
+        size INTEGER NOT NULL,
+        header BLOB,
+        job_id TEXT NOT NULL,
+        recorded_at REAL NOT NULL,
+        PRIMARY KEY (node, local_path)
+    ) WITHOUT ROWID""",
+    "CREATE INDEX node_files_model ON node_files(model_id) WHERE model_id IS NOT NULL",
+]
 # The job tables alone, for a database that holds nothing else (tests, benchmarks).
-JOBS_MIGRATIONS: list[list[str]] = [JOBS_SCHEMA, JOBS_OWNER_SCHEMA]
+JOBS_MIGRATIONS: list[list[str]] = [JOBS_SCHEMA, JOBS_OWNER_SCHEMA, NODE_FILES_SCHEMA]
 
 # Fields the API never shows: internal bookkeeping.
 _HIDDEN = ("unique_key", "proc_create_time", "last_seq")

@@ -15,7 +15,10 @@ Its stdout comes back by polling the agent (a read waits up to
 ``POLL_S`` for output), through the same framer as a local job's, into the
 same store; the runner signals it through the agent. Its stderr stays in a
 log on the node; its tail is copied into the job's log here at its end, so
-a failed job says why as a local one does. A node lost mid-job raises
+a failed job says why as a local one does. A download there fills that
+node's own Hub cache; its result names the node, and its files are
+recorded (supervisor/lab/node_files.py) for the library and placement.
+A node lost mid-job raises
 :class:`~supervisor.lab.node_jobs.NodeJobLost` to the runner, which marks
 the job ``interrupted`` with the reason.
 """
@@ -26,14 +29,20 @@ import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from jobs.events import Done, Failed, JobEvent
+from supervisor.errors import ApiError
 from supervisor.lab.active import ActiveJob, RunnerSettings, StopReason
 from supervisor.lab.job_command import job_command
 from supervisor.lab.job_process import EventFramer
 from supervisor.lab.lease import GpuLease
+from supervisor.lab.node_files import NodeFiles, is_model_file, node_entries
 from supervisor.lab.node_jobs import JobNodes, NodeJob, NodeJobLost
 from supervisor.lab.store import JobStore
+from supervisor.models.entry import ModelEntry
 from supervisor.models.gpu_reading import device_node
 
 log = logging.getLogger(__name__)
@@ -55,6 +64,13 @@ def job_node(devices: list[str]) -> str:
     return nodes.pop() if nodes else ""
 
 
+def _on_node(event: JobEvent, node: str) -> JobEvent:
+    """A download's result names the node whose cache holds its files."""
+    if node and isinstance(event, Done):
+        return msgspec.structs.replace(event, data={**event.data, "result": {**event.result, "node": node}})
+    return event
+
+
 class NodeJobExecution:
     def __init__(
         self,
@@ -64,6 +80,8 @@ class NodeJobExecution:
         settings: RunnerSettings,
         request_stop: Callable[[ActiveJob, StopReason], None],
         signal_stop: Callable[[ActiveJob, bool], None],
+        files: NodeFiles | None = None,
+        on_node_models: Callable[[list[ModelEntry]], None] | None = None,
     ) -> None:
         self.nodes = nodes
         self.store = store
@@ -71,14 +89,19 @@ class NodeJobExecution:
         self.settings = settings
         self._request_stop = request_stop
         self._signal_stop = signal_stop
+        # Where downloads into nodes' own caches are recorded, and who lists them.
+        self.files: NodeFiles | None = files
+        self.on_node_models = on_node_models
 
     async def run(self, active: ActiveJob, node: str, devices: list[str], log_path: Path) -> int:
         """Start the job on ``node`` (its devices, if any, are that node's),
         store its events; its exit status. NodeSpawnFailed when it cannot
         start, NodeJobLost when its node went."""
         job = active.job
+        # A download on a node fills that node's own Hub cache (its HF_HOME there), not the shared one.
+        own_cache = job.kind == "download"
         # Pinned even when it books none: a job that holds no GPU there must use none of the node's.
-        cmd = job_command(job, self.settings, self.lease.gpu_indices(devices))
+        cmd = job_command(job, self.settings, self.lease.gpu_indices(devices), own_hub_cache=own_cache)
         try:
             proc = await self.nodes.start_job(node, cmd.argv, cmd.env, cmd.stdin_line, log_path.name)
         except OSError as exc:
@@ -92,7 +115,10 @@ class NodeJobExecution:
                                           log_path=str(log_path))
             if active.stop_reason is not None:
                 self._signal_stop(active, active.stop_reason == "heartbeat")
-            return await self._pump(active, proc)
+            rc = await self._pump(active, proc, node if own_cache else "")
+            if rc == 0 and own_cache and isinstance(active.terminal, Done):
+                await self._record_files(node, active.job.id, active.terminal.result)
+            return rc
         except NodeJobLost:
             lost = True
             raise
@@ -116,8 +142,30 @@ class NodeJobExecution:
             # Its exit status is known; what is left there ends with its stdin when the agent goes.
             log.warning("job %s: its node's agent could not reap it: %s", active.job.id, exc)
 
-    async def _pump(self, active: ActiveJob, proc: NodeJob) -> int:
-        """Store events until the job ends; stop it when heartbeats stop."""
+    async def _record_files(self, node: str, job_id: str, result: dict[str, Any]) -> None:
+        """Record what a download left in ``node``'s own cache, with its
+        model's header as the node's agent reads it there, and tell the library."""
+        if self.files is None:
+            return
+        header = None
+        model = result.get("model_id")
+        path = next((f["local_path"] for f in result.get("files") or [] if is_model_file(f)), None)
+        if model and path:
+            try:
+                header = await self.nodes.read_model(node, str(path))
+            except OSError as exc:  # ClusterError, or the file's header unreadable there
+                log.warning("job %s: no header of %s from node %s: %s", job_id, model, node, exc)
+        try:
+            await self.files.record_download(node, job_id, result, header)
+        except (OSError, ApiError) as exc:  # StorageFull: the download stands, the library misses it
+            log.error("job %s: could not record the files it left on node %s: %s", job_id, node, exc)
+            return
+        if self.on_node_models is not None:
+            self.on_node_models(node_entries(await self.files.held_models()))
+
+    async def _pump(self, active: ActiveJob, proc: NodeJob, own_cache_node: str = "") -> int:
+        """Store events until the job ends; stop it when heartbeats stop.
+        ``own_cache_node``: a download into that node's cache, whose result says so."""
         loop = asyncio.get_running_loop()
         framer = EventFramer(self.settings.max_line_bytes)
         timeout = self.settings.heartbeat_timeout_s
@@ -128,7 +176,7 @@ class NodeJobExecution:
             if data:
                 last_output = loop.time()
             if framed.events:
-                await self._store_events(active, framed.events)
+                await self._store_events(active, [_on_node(e, own_cache_node) for e in framed.events])
                 last_touch = loop.time()
             elif framed.keepalives and loop.time() - last_touch > self.settings.keepalive_s:
                 await self.store.touch(active.job.id)

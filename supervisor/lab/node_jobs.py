@@ -46,6 +46,11 @@ class JobNodes(Protocol):
         """The names of the cluster's alive nodes; OSError when it does not answer."""
         ...
 
+    async def read_model(self, node: str, path: str) -> bytes:
+        """The GGUF header of the file at ``path`` on ``node``, read there
+        (GgufInfo as msgpack); OSError when it cannot be read."""
+        ...
+
     async def start_job(self, node: str, argv: list[str], env: dict[str, str], stdin_line: bytes,
                         log_name: str) -> NodeJob:
         """Start ``python <argv>`` on ``node``; OSError when it cannot."""

@@ -29,6 +29,7 @@ import asyncio
 import functools
 import logging
 import signal
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ from supervisor.lab.job_process import (
 from supervisor.lab.lease import GpuLease
 from supervisor.lab.leftovers import remove_job_temps
 from supervisor.lab.node_exec import NodeJobExecution, NodeSpawnFailed, job_node
+from supervisor.lab.node_files import NodeFiles, node_entries
 from supervisor.lab.node_jobs import JobNodes, NodeJobLost
 from supervisor.lab.outcome import Outcome, outcome_of, record, record_later
 from supervisor.lab.store import (
@@ -62,6 +64,7 @@ from supervisor.lab.store import (
     Recovery,
     Status,
 )
+from supervisor.models.entry import ModelEntry
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +89,8 @@ class JobRunner:
     """Runs queued jobs; ``start()`` / ``stop()`` own all of its tasks."""
 
     def __init__(self, store: JobStore, lease: GpuLease, settings: RunnerSettings,
-                 nodes: JobNodes | None = None) -> None:
+                 nodes: JobNodes | None = None,
+                 on_node_models: Callable[[list[ModelEntry]], None] | None = None) -> None:
         self.store = store
         self.lease = lease
         self.settings = settings
@@ -103,8 +107,9 @@ class JobRunner:
         self._node_exec: NodeJobExecution | None = None
         self._nodes = nodes
         if nodes is not None:
+            # Downloads into nodes' own caches are recorded and listed (lab/node_files.py).
             self._node_exec = NodeJobExecution(nodes, store, lease, settings, self._request_stop,
-                                               self._signal_stop)
+                                               self._signal_stop, NodeFiles(store.db), on_node_models)
             lease.jobs_on_nodes = True
 
     # ------------------------------------------------------------ lifecycle
@@ -115,6 +120,10 @@ class JobRunner:
         report = await self.store.recover_at_boot()
         if report.interrupted:
             log.warning("jobs interrupted by the last shutdown: %s", ", ".join(report.interrupted))
+        if self._node_exec is not None and self._node_exec.files is not None \
+                and self._node_exec.on_node_models is not None:
+            # The models nodes hold on their own disks, as recorded by earlier runs.
+            self._node_exec.on_node_models(node_entries(await self._node_exec.files.held_models()))
         # No job runs yet: every job temp file is a leftover of a killed one.
         await asyncio.to_thread(remove_job_temps, self.settings.roots.all())
         self._tasks = [

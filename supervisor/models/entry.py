@@ -13,7 +13,8 @@ from supervisor.models.gguf_info import GgufInfo
 from supervisor.models.hf_info import HfInfo
 
 ModelKind = Literal["gguf", "hf"]
-ModelSource = Literal["dir", "hf_cache"]
+# "node": held only in cluster nodes' own Hub caches (supervisor/lab/node_files.py).
+ModelSource = Literal["dir", "hf_cache", "node"]
 # The engine each kind of model is served by.
 ENGINES: dict[str, str] = {"gguf": "llama.cpp", "hf": "vllm"}
 
@@ -42,6 +43,9 @@ class ModelEntry(msgspec.Struct, kw_only=True):
     adapters: list[AdapterRef] = []
     kind: ModelKind = "gguf"
     hf: HfInfo | None = None  # the facts of an hf model
+    # A model on cluster nodes' own disks: each node that holds it -> its path there.
+    # Empty for a model in the parent's directories, which every node sees.
+    nodes: dict[str, str] = {}
 
     @property
     def engine(self) -> str:

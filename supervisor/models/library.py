@@ -123,14 +123,26 @@ class ModelLibrary:
         self._changed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.watching = asyncio.Event()  # set while watch() is live
+        # Models held only on cluster nodes' own disks, which no scan here sees:
+        # set from the parent's records (supervisor/lab/node_files.py).
+        self._node_entries: dict[str, ModelEntry] = {}
 
     # -- reads -----------------------------------------------------------
 
     def get(self, model_id: str) -> ModelEntry | None:
-        return self._entries.get(model_id)
+        return self._entries.get(model_id) or self._node_entries.get(model_id)
 
     def list(self) -> builtins.list[ModelEntry]:
-        return list(self._entries.values())
+        # A model in the parent's directories shadows a node's copy: every node sees those.
+        return [*self._entries.values(), *(e for i, e in self._node_entries.items() if i not in self._entries)]
+
+    def set_node_models(self, entries: builtins.list[ModelEntry]) -> None:
+        """The models held on cluster nodes' own disks, as recorded (on the loop's thread)."""
+        found = {e.id: e for e in entries}
+        if found != self._node_entries:
+            self._node_entries = found
+            self._version += 1
+            self._signal()
 
     def adapters(self) -> builtins.list[AdapterEntry]:
         return list(self._adapters.values())

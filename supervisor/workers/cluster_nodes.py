@@ -61,12 +61,14 @@ NodeLost = Callable[[str, str], None]
 
 class ClusterNodes:
     def __init__(self, launcher: RayLauncher, book: NodeBook, on_lost: NodeLost, *,
-                 poll_s: float = POLL_S, settle_s: float = SETTLE_S,
+                 on_joined: Callable[[str], None] | None = None, poll_s: float = POLL_S, settle_s: float = SETTLE_S,
                  settle_interval_s: float = SETTLE_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.launcher = launcher
         self.book = book
         self.on_lost = on_lost
+        # Told a node's name when it joins (its own disk's models become usable).
+        self.on_joined = on_joined
         self.poll_s = poll_s
         self.settle_s = settle_s
         self.settle_interval_s = settle_interval_s
@@ -95,6 +97,10 @@ class ClusterNodes:
     def device_ids(self) -> list[str]:
         return [r.device_id for rs in self.readings.values() for r in rs] + [
             node_device(n, "cpu") for n in self.ram]
+
+    def serving(self) -> list[str]:
+        """The nodes whose devices are in the lease now (alive, with GPUs or RAM to serve)."""
+        return [*self.readings, *self.ram]
 
     def ram_nodes(self) -> dict[str, int]:
         """The free RAM of each node without a GPU, as last read."""
@@ -167,6 +173,8 @@ class ClusterNodes:
         if joined:
             log.info("node %s joined with %s%s", name, ", ".join(joined),
                      " (no GPU found there: models run in its RAM)" if ram is not None else "")
+            if self.on_joined is not None:
+                self.on_joined(name)
 
     def _lost(self, name: str, reason: str) -> None:
         self.readings.pop(name, None)

@@ -7,7 +7,8 @@ command line the parent built (launcher.worker_argv), in its own session
 and process group, with the allowlisted environment of this node plus the
 parent's pinned devices, its output appended to a log on this node; it
 reads this node's free memory (its GPUs through nvidia-smi, else its RAM)
-for the parent's lease and placement; it
+for the parent's lease and placement, and the GGUF header of a model in
+this node's own Hub cache, which the parent cannot read; it
 holds the worker's stdin (the secret is the first line, and the agent's
 end, when the parent's driver dies and Ray ends its actors, ends the
 worker), and it signals, measures and reaps the worker on the parent's
@@ -15,7 +16,7 @@ word.
 
 This module runs in a Ray worker process on the node: it imports only the
 small process helpers the local launcher uses too (stdlib, psutil,
-msgspec), never the parent's service modules, and it does not import Ray.
+msgspec) and the GGUF header reader, never the parent's service modules, and it does not import Ray.
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
 
 from supervisor.lab.job_process import child_environ, kill_group, signal_group
 from supervisor.models.devices import SmiSource
+from supervisor.models.gguf_header import GgufError
+from supervisor.models.gguf_info import read_gguf_info
 from supervisor.workers.crash import log_size, read_log_tail
 from supervisor.workers.launcher import _open_log, _rss, kill_group_leftovers
 from worker import protocol as p
@@ -96,6 +100,16 @@ class NodeAgent:
         gpus: list[list[str | int]] = [[r.index, r.uuid, r.name, r.free_bytes, r.total_bytes] for r in readings]
         return {"gpus": gpus,
                 "ram": [int(ram.available), int(ram.total)]}
+
+    async def read_model(self, path: str) -> bytes:
+        """The GGUF header of a model file on this node (GgufInfo, msgpack):
+        a model in this node's own Hub cache is sized from it by the parent,
+        which cannot read this disk. OSError when it is no readable GGUF."""
+        try:
+            info = await asyncio.to_thread(read_gguf_info, Path(path))
+        except GgufError as exc:
+            raise OSError(str(exc)) from exc
+        return msgspec.msgpack.encode(info)
 
     async def start(self, argv: list[str], extra_env: dict[str, str], secret: bytes, log_name: str,
                     own_python: bool) -> int:

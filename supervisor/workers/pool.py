@@ -40,6 +40,7 @@ from supervisor.models.source import LibrarySource
 from supervisor.workers import adapter_route, launch_spec, submit, views
 from supervisor.workers.cluster_nodes import ClusterNodes, NodeBook
 from supervisor.workers.connection import Endpoint
+from supervisor.workers.crash_keys import KeyCrashes, crash_counts
 from supervisor.workers.drafting import SpeculativeBook
 from supervisor.workers.gpu_room import (
     Bookings,
@@ -49,7 +50,6 @@ from supervisor.workers.gpu_room import (
     worker_devices,
 )
 from supervisor.workers.handle import WorkerHandle, WorkerState
-from supervisor.workers.crash_keys import KeyCrashes, crash_counts
 from supervisor.workers.poison import PoisonTracker
 from supervisor.workers.queue import Pending, WorkerGone
 from supervisor.workers.ray_launcher import RayLauncher, launcher_for
@@ -131,8 +131,10 @@ class WorkerPool:
         # On a cluster: its nodes' GPUs, in the lease and for placement.
         self.cluster: ClusterNodes | None = None
         self._replacing: set[asyncio.Task[None]] = set()
+        # Models on nodes' own disks, as recorded (set_node_models).
+        self._node_models: list[ModelEntry] = []
         if isinstance(self.launcher, RayLauncher) and isinstance(bookings, NodeBook):
-            self.cluster = ClusterNodes(self.launcher, bookings, self._node_lost)
+            self.cluster = ClusterNodes(self.launcher, bookings, self._node_lost, on_joined=self._node_joined)
             gpus = GpuRoom(None, (), admission, gpus.headroom if gpus is not None else DEFAULT_HEADROOM,
                            nodes=self.cluster)
         self.room = Room(cfg, self.handles, self.fits, self._drop, self._changed, gpus=gpus,
@@ -228,6 +230,9 @@ class WorkerPool:
         placing = asyncio.get_running_loop().time()
         decision, placed = await self.room.fit_placed(entry, settings, explicit_ctx, slots, embedding,
                                                       draft=plan)
+        if entry.nodes:
+            # On that node's own disk: its path there (room.py placed it only where it is held).
+            entry = msgspec.structs.replace(entry, path=entry.nodes[placed.node], files=[entry.nodes[placed.node]])
         if placed.node:
             # On a cluster the readings come from the nodes' agents: how long that took is worth a line.
             log.info("%s placed on %s in %.2fs: %s", model_id, ", ".join(placed.devices),
@@ -332,9 +337,37 @@ class WorkerPool:
         await asyncio.gather(*(
             h.drain(drain_timeout if h.busy else 0.0, reason, "evicted") for _, h in victims))
 
+    def set_node_models(self, entries: list[ModelEntry]) -> None:
+        """The models held on nodes' own disks (the job runner's records:
+        supervisor/lab/node_files.py), listed by the library as usable while
+        a node that holds one is alive, else with the reason."""
+        self._node_models = entries
+        self._list_node_models()
+
+    def _list_node_models(self) -> None:
+        alive = set(self.cluster.serving()) if self.cluster is not None else set()
+        listed = []
+        for entry in self._node_models:
+            held = ", ".join(sorted(entry.nodes))
+            if self.cluster is None:
+                why = f"it is held only on the own disk of {held}, and no cluster is configured"
+            elif not alive & set(entry.nodes):
+                why = f"it is held only on the own disk of {held}, which is not in the cluster now"
+            else:
+                why = None
+            listed.append(entry if why is None or not entry.usable
+                          else msgspec.structs.replace(entry, usable=False, reason=why))
+        self.models.library.set_node_models(listed)
+
+    def _node_joined(self, node: str) -> None:
+        if any(node in e.nodes for e in self._node_models):
+            self._list_node_models()
+
     def _node_lost(self, node: str, reason: str) -> None:
         """A cluster node left: its workers end with the reason, and their
         models are loaded again where there is room (a task the pool owns)."""
+        if any(node in e.nodes for e in self._node_models):
+            self._list_node_models()
         task = asyncio.create_task(self._replace(node, reason), name=f"node-lost:{node}")
         self._replacing.add(task)
         task.add_done_callback(self._replaced)

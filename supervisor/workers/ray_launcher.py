@@ -147,6 +147,12 @@ class RayLauncher:
         log.info("job process %s started on node %s (pid %d, agent pid %d)", log_name, node, pid, agent.pid)
         return RayNodeJob(agent, node, pid, self._ray, lambda: self._forget(agent))
 
+    async def read_model(self, node: str, path: str) -> bytes:
+        """The GGUF header of a file on the node of this name, read by its agent there."""
+        agent = await self._agent_on(await self._node_id(node))
+        header: bytes = await _bounded(agent.actor.read_model.remote(path))
+        return header
+
     def _forget(self, agent: _Agent) -> None:
         """A lost agent: the next start on its node makes a new one."""
         if self._agents.get(agent.node_id) is agent:

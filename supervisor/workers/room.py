@@ -112,10 +112,19 @@ class Room:
                     if h.state is WorkerState.STARTING and k in self.placements
                     and (f := self.fits.get(k)) is not None]
         readings = self.gpus.less_planned(readings, starting)
+        ram = self.gpus.ram_left(starting)
+        if entry.nodes:
+            # On nodes' own disks: only a node that holds it can load it.
+            readings = [r for r in readings if r.node in entry.nodes]
+            ram = {n: free for n, free in ram.items() if n in entry.nodes}
+            if not readings and not ram:
+                raise Unavailable(f"model {entry.id} is held only on {', '.join(sorted(entry.nodes))} "
+                                  "(its own disk), and no such node serves in the cluster now",
+                                  retry_after=30, code="model_not_on_any_node")
         placed, decision = await asyncio.to_thread(
             self.gpus.place_now, readings, lambda free: plan(free, "gpu"), left,
             # A cluster's nodes without a GPU: the model in their RAM.
-            lambda free: plan(free, "ram"), self.gpus.ram_left(starting))
+            lambda free: plan(free, "ram"), ram)
         return decision, placed
 
     async def fit_placed(self, entry: ModelEntry, settings: ModelSettings,
