@@ -51,7 +51,7 @@ from supervisor.appkeys import (
 from supervisor.config import Config
 from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
-from supervisor.knowledge.schema import KNOWLEDGE_SCHEMA, VECTOR_BLOCKS_SCHEMA
+from supervisor.knowledge.schema import KNOWLEDGE_SCHEMA, VECTOR_BLOCKS_SCHEMA, VECTOR_STORE_EXPIRY_SCHEMA
 from supervisor.lab.gpu_setup import build_lease, gpu_room
 from supervisor.lab.job_schema import NODE_FILES_SCHEMA
 from supervisor.lab.leftovers import remove_stale_sockets
@@ -75,7 +75,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Database migrations, in order; only ever append.
 MIGRATIONS = [JOBS_SCHEMA, responses.RESPONSES_SCHEMA, auth.AUTH_SCHEMA, responses.RESPONSE_EVENTS_SCHEMA,
               JOBS_OWNER_SCHEMA, RESPONSES_OWNER_SCHEMA, KNOWLEDGE_SCHEMA, VECTOR_BLOCKS_SCHEMA,
-              NODE_FILES_SCHEMA]  # append only
+              NODE_FILES_SCHEMA, VECTOR_STORE_EXPIRY_SCHEMA]  # append only
 
 
 @web.middleware

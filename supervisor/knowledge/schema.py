@@ -83,3 +83,8 @@ VECTOR_BLOCKS_SCHEMA: list[str] = [
     "DELETE FROM chunks",
     "ALTER TABLE chunks DROP COLUMN vector",
 ]
+
+# A store's expires_after (anchor last_active_at): its days, NULL for none.
+VECTOR_STORE_EXPIRY_SCHEMA: list[str] = [
+    "ALTER TABLE vector_stores ADD COLUMN expires_days INTEGER",
+]
