@@ -36,6 +36,9 @@ def apply_speculative(p: xllamacpp.CommonParams, spec: SpeculativeOptions, n_gpu
     """Set the engine's speculative parameters (nothing when off)."""
     if spec.mode == "off":
         return
+    if spec.mode not in _SPECULATIVE_TYPES:
+        # EAGLE heads are vLLM's; the parent never plans one for a GGUF.
+        raise ValueError(f"speculative mode {spec.mode} runs on the vllm engine only")
     p.speculative.types = [_SPECULATIVE_TYPES[spec.mode]]
     if spec.mode == "ngram":
         # Prompt lookup drafts up to size_m tokens after a match of the last size_n.

@@ -72,8 +72,10 @@ class InvalidMessage(ProtocolError):
 
 # ---------------------------------------------------------- the command line
 
-SpeculativeMode = Literal["off", "draft", "mtp", "ngram"]
-SPECULATIVE_MODES: tuple[SpeculativeMode, ...] = ("off", "draft", "mtp", "ngram")
+# "eagle" and "eagle3": a draft model that is an EAGLE head, which the parent
+# finds in the library; only the vllm engine runs them.
+SpeculativeMode = Literal["off", "draft", "mtp", "ngram", "eagle", "eagle3"]
+SPECULATIVE_MODES: tuple[SpeculativeMode, ...] = ("off", "draft", "mtp", "ngram", "eagle", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ class SpeculativeOptions:
     (against its model library); a worker only applies one of these modes."""
 
     mode: SpeculativeMode = "off"
-    # The draft model's GGUF (mode "draft" only).
+    # The draft model's GGUF (mode "draft"), or its dir (an hf draft or EAGLE head).
     draft_model: str = ""
     # Tokens drafted per step; 0 = the engine's default.
     draft_min: int = 0

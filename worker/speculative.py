@@ -39,4 +39,6 @@ def load_note(opts: SpeculativeOptions) -> str:
         return f" with the draft model {Path(opts.draft_model).name}"
     if opts.mode == "mtp":
         return " with its MTP layers"
+    if opts.mode in ("eagle", "eagle3"):
+        return f" with the {opts.mode.upper()} head {Path(opts.draft_model).name}"
     return ""

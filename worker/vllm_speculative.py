@@ -11,6 +11,10 @@ tokens: the same token ids with and without drafting):
 - ``draft`` is vLLM's ``method="draft_model"``: the draft is a Hugging Face
   model dir with the target's vocabulary. Its KV pages share the worker's
   budget (:func:`draft_kv_bytes_per_token`).
+- ``eagle`` and ``eagle3`` are vLLM's EAGLE methods: the draft is an EAGLE
+  head dir (one decoder layer over the target's hidden state), which the
+  parent recognises in the library. A head without its own embedding or LM
+  head shares the target's. Its layer's KV pages share the budget too.
 - ``mtp`` is not offered here: the parent refuses it for ``hf`` models.
 
 ``draft_max`` is vLLM's ``num_speculative_tokens``; ``draft_min`` has no
@@ -64,14 +68,20 @@ def speculative_config(opts: SpeculativeOptions) -> dict[str, Any] | None:
             raise Unsupported("speculative mode draft needs a draft model")
         return {"method": "draft_model", "model": opts.draft_model,
                 "num_speculative_tokens": opts.draft_max or DEFAULT_DRAFT_TOKENS}
-    raise Unsupported(f"speculative mode {opts.mode} is not offered on the vllm engine (ngram or draft are)")
+    if opts.mode in ("eagle", "eagle3"):
+        if not opts.draft_model:
+            raise Unsupported(f"speculative mode {opts.mode} needs the head's dir as the draft model")
+        return {"method": opts.mode, "model": opts.draft_model,
+                "num_speculative_tokens": opts.draft_max or DEFAULT_DRAFT_TOKENS}
+    raise Unsupported(f"speculative mode {opts.mode} is not offered on the vllm engine "
+                      "(ngram, draft, eagle and eagle3 are)")
 
 
 def draft_kv_bytes_per_token(vllm_config: Any) -> int:
     """KV bytes per token of the draft model's layers (0 without one): vLLM
     keeps them in the same cache as the target's, so the budget holds both."""
     spec = vllm_config.speculative_config
-    if spec is None or spec.method != "draft_model" or spec.draft_model_config is None:
+    if spec is None or spec.method not in ("draft_model", "eagle", "eagle3") or spec.draft_model_config is None:
         return 0
     model = spec.draft_model_config
     parallel = spec.draft_parallel_config

@@ -84,21 +84,26 @@ def plan_speculative(entry: ModelEntry, settings: ModelSettings, models: DraftSo
     if mode != "draft":
         return SpeculativePlan(SpeculativeOptions(mode, "", low, high))
     if entry.kind == "hf":
-        # vLLM's draft_model: a Hugging Face model dir of the same vocabulary.
-        draft = usable_entry(settings.draft_model or "", models)
+        # vLLM's draft_model: a Hugging Face model dir of the same vocabulary,
+        # or an EAGLE head, which vLLM runs as its own method.
+        draft = usable_entry(settings.draft_model or "", models, heads=True)
         check_hf_draft(entry, draft)
-        return SpeculativePlan(SpeculativeOptions("draft", draft.path, low, high), draft)
+        method = draft.hf.draft_head if draft.hf is not None and draft.hf.draft_head else "draft"
+        return SpeculativePlan(SpeculativeOptions(method, draft.path, low, high), draft)
     draft = draft_entry(settings.draft_model or "", models)
     check_vocab(entry, draft)
     return SpeculativePlan(SpeculativeOptions("draft", draft.path, low, high), draft)
 
 
-def usable_entry(draft_id: str, models: DraftSource) -> ModelEntry:
-    """The library entry of a draft model, refused (naming draft_model) unless usable."""
+def usable_entry(draft_id: str, models: DraftSource, heads: bool = False) -> ModelEntry:
+    """The library entry of a draft model, refused (naming draft_model) unless
+    usable; with ``heads``, an EAGLE head too (unusable alone, by design)."""
     draft = models.entry(draft_id)
     if draft is None:
         raise ModelNotFound(f"draft_model '{draft_id}' does not exist in the model library",
                             param="draft_model")
+    if heads and draft.hf is not None and draft.hf.draft_head is not None:
+        return draft
     if not draft.usable:
         raise BadRequest(f"draft_model '{draft_id}' cannot be used: {draft.reason or 'unusable'}",
                          param="draft_model", code="draft_unusable")

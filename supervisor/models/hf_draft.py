@@ -1,6 +1,12 @@
 """A draft model for an ``hf`` target (vLLM's ``draft_model`` speculative
-decoding), parent side: which library entry drafts, and whether it shares the
-target's vocabulary.
+decoding, or its EAGLE heads), parent side: which library entry drafts, and
+whether it shares the target's vocabulary.
+
+An EAGLE head (supervisor/models/hf_info.py's ``draft_head``) is listed but
+unusable on its own; as a draft it must also have the target's hidden size
+(its ``fc`` takes the target's hidden state), and vLLM runs it as
+``method="eagle"`` or ``"eagle3"``, sharing the target's embedding and LM
+head where the head has none.
 
 vLLM verifies every drafted token id with the target, so a draft must number
 its tokens as the target does: the same ``vocab_size`` in config.json, and,
@@ -35,6 +41,10 @@ def check_hf_draft(target: ModelEntry, draft: ModelEntry) -> None:
         raise BadRequest(f"draft_model '{draft.id}' is the model itself", param="draft_model",
                          code="draft_unusable")
     assert target.hf is not None  # an hf entry with no facts is unusable, refused before this
+    if draft.hf.draft_head is not None and draft.hf.hidden_size != target.hf.hidden_size:
+        raise BadRequest(f"draft_model '{draft.id}' is an {draft.hf.draft_head.upper()} head for a hidden size "
+                         f"of {draft.hf.hidden_size}; '{target.id}' has {target.hf.hidden_size}",
+                         param="draft_model", code="draft_unusable")
     if draft.hf.vocab_size != target.hf.vocab_size:
         raise BadRequest(f"draft_model '{draft.id}' does not share the vocabulary of '{target.id}': "
                          f"vocab_size {draft.hf.vocab_size} against {target.hf.vocab_size}",

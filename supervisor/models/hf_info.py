@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 import msgspec
 
@@ -47,6 +47,7 @@ FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 _CONFIG_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
                   "float": "F32", "half": "F16"}
 _TENSOR_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+DraftHead = Literal["eagle", "eagle3"]
 
 
 class HfError(Exception):
@@ -87,6 +88,9 @@ class HfInfo(msgspec.Struct, frozen=True, kw_only=True):
     chat_template: str | None = None
     # The author's sampling defaults (generation_config.json), hostile values left out.
     sampling: ModelSampling = ModelSampling()
+    # An EAGLE draft head rather than a model (see :func:`draft_head`): it
+    # drafts for a target of its hidden size and vocabulary, never serves alone.
+    draft_head: DraftHead | None = None
 
 
 class _Tensor(msgspec.Struct):
@@ -134,6 +138,11 @@ def read_json(path: Path, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
 
 def safetensors_dtype_bytes(path: Path) -> dict[str, int]:
     """Bytes per dtype of a safetensors file's tensors, from its header alone."""
+    return safetensors_summary(path)[0]
+
+
+def safetensors_summary(path: Path) -> tuple[dict[str, int], set[str]]:
+    """Bytes per dtype of a safetensors file's tensors, and their names, from its header alone."""
     f, st = _open_regular(path)
     with f:
         head = f.read(8)
@@ -161,7 +170,23 @@ def safetensors_dtype_bytes(path: Path) -> dict[str, int]:
         except msgspec.DecodeError as exc:
             raise HfError(path, f"tensor {name[:80]!r}: {exc}") from exc
         out[tensor.dtype] = out.get(tensor.dtype, 0) + _tensor_bytes(path, name, tensor, data_bytes)
-    return out
+    return out, set(entries) - {"__metadata__"}
+
+
+def draft_head(architecture: str, tensors: set[str]) -> DraftHead | None:
+    """Whether these weights are an EAGLE draft head, and which kind.
+
+    EAGLE heads are published as a config.json of the target's family and
+    a few tensors: ``fc`` (the token's embedding joined with the target's
+    hidden state, EAGLE-1; EAGLE-3 joins three of its layers) and one or a
+    few decoder layers. EAGLE-3 heads name their architecture so
+    (``LlamaForCausalLMEagle3``) or keep their layer as ``midlayer``. A full
+    model never has a top-level ``fc``.
+    """
+    midlayer = any(t.startswith("midlayer.") for t in tensors)
+    if not (midlayer or {"fc.weight", "model.fc.weight"} & tensors):
+        return None
+    return "eagle3" if midlayer or "eagle3" in architecture.lower() else "eagle"
 
 
 def _tensor_bytes(path: Path, name: str, tensor: _Tensor, data_bytes: int) -> int:
@@ -305,8 +330,11 @@ def read_hf_info(model_dir: Path, root: Path | None = None) -> HfInfo:
     except ValueError as exc:
         raise HfError(model_dir / "config.json", str(exc)) from exc
     by_dtype: dict[str, int] = {}
+    tensors: set[str] = set()
     for name in files:
-        for dtype, n in safetensors_dtype_bytes(inside(model_dir / name, root)).items():
+        file_bytes, names_in_file = safetensors_summary(inside(model_dir / name, root))
+        tensors |= names_in_file
+        for dtype, n in file_bytes.items():
             by_dtype[dtype] = by_dtype.get(dtype, 0) + n
     if not facts["dtype"]:
         floats = {d: n for d, n in by_dtype.items() if d in FLOAT_DTYPES}
@@ -314,7 +342,8 @@ def read_hf_info(model_dir: Path, root: Path | None = None) -> HfInfo:
         facts["dtype"] = _TENSOR_DTYPES.get(top, "")
     return HfInfo(**facts, parameter_bytes=sum(by_dtype.values()), dtype_bytes=by_dtype,
                   weight_files=files, chat_template=chat_template(model_dir, names, root),
-                  sampling=sampling_defaults(model_dir, names, root))
+                  sampling=sampling_defaults(model_dir, names, root),
+                  draft_head=draft_head(facts["architecture"], tensors))
 
 
 def checkpoint_dtype(info: HfInfo) -> str | None:

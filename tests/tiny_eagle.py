@@ -1,0 +1,49 @@
+"""A tiny random EAGLE draft head for a tiny Hugging Face target
+(tests/tiny_hf.py's build_vllm_model), written as EAGLE's published heads
+are: the target's config.json with one layer, and the head's tensors under
+their own names (``fc.weight`` joins the token's embedding and the target's
+last hidden state; one decoder layer without its input norm). It has no
+embedding or LM head of its own: vLLM shares the target's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+
+def build_eagle_head(target: Path, out: Path, seed: int = 0) -> Path:
+    """Write an EAGLE-1 head for ``target`` to ``out`` (its tokenizer files
+    copied, so the library can tell that the two share a vocabulary)."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((target / "config.json").read_text())
+    hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+    head_dim = hidden // heads
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (target / name).is_file():
+            shutil.copy(target / name, out / name)
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"))
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.05).to(dtype)
+
+    layer = "layers.0."
+    tensors = {
+        "fc.weight": rand(hidden, 2 * hidden),
+        layer + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+        layer + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+        layer + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+        layer + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        layer + "mlp.gate_proj.weight": rand(inter, hidden),
+        layer + "mlp.up_proj.weight": rand(inter, hidden),
+        layer + "mlp.down_proj.weight": rand(hidden, inter),
+        layer + "post_attention_layernorm.weight": torch.ones(hidden, dtype=dtype),
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
