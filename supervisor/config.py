@@ -278,6 +278,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # vector stores are refused with a 409 naming this setting).
     files_max_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 40)] = 64 << 20
     file_search_embedding_model: str = ""
+    # The bytes of files one API key's vector stores may hold together (a
+    # file once per store it is in; an add past it is a 413 naming this
+    # setting; 0: no bound; the admin's stores are not bound), and the
+    # seconds between sweeps that delete stores whose expires_after passed
+    # (until then they are listed as expired and refuse searches).
+    vector_stores_max_bytes_per_key: Annotated[int, msgspec.Meta(ge=0, le=1 << 50)] = 1 << 30
+    vector_stores_sweep_interval_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] = 300.0
     # Lab: jobs and the GPU lease
     datasets_dir: str = ""
     outputs_dir: str = ""

@@ -5,6 +5,7 @@ the OpenAI SDK's types; and the knowledge base's context (the app's
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
@@ -19,7 +20,13 @@ from supervisor.errors import BadRequest
 from supervisor.knowledge.chunking import ChunkSize
 from supervisor.knowledge.embedder import Embedder
 from supervisor.knowledge.files import FileStore
-from supervisor.knowledge.records import FILE_PREFIX, STORE_PREFIX, checked_id, page_ask, page_body
+from supervisor.knowledge.records import (
+    FILE_PREFIX,
+    STORE_PREFIX,
+    checked_id,
+    page_ask,
+    page_body,
+)
 from supervisor.knowledge.service import Knowledge
 from supervisor.knowledge.stores import Attributes, FileStatus
 from supervisor.models.source import LibrarySource
@@ -53,12 +60,19 @@ def _size(chunking: Chunking | None) -> ChunkSize:
     return ChunkSize() if chunking is None else chunking.size("chunking_strategy")
 
 
+class ExpiresAfter(msgspec.Struct, forbid_unknown_fields=True):
+    """OpenAI's: the store expires this many days after it was last used."""
+
+    anchor: Literal["last_active_at"]
+    days: Annotated[int, msgspec.Meta(ge=1, le=365)]
+
+
 class CreateStore(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: Annotated[str, msgspec.Meta(max_length=256)] = ""
     file_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_FILE_IDS)] = []
     metadata: Metadata = {}
     chunking_strategy: Chunking | None = None
-    expires_after: dict[str, Any] | None = None
+    expires_after: ExpiresAfter | None = None
     description: Annotated[str, msgspec.Meta(max_length=512)] | None = None
 
 
@@ -100,15 +114,21 @@ def add_routes(app: web.Application) -> None:
 
 
 async def knowledge_ctx(app: web.Application) -> AsyncIterator[None]:
-    """The knowledge base: after the database and the pool, unwound before them."""
+    """The knowledge base: after the database and the pool, unwound before
+    them; it owns the sweep that deletes expired stores."""
     cfg = app[CONFIG]
     embedder = Embedder(app[POOL], LibrarySource(app[LIBRARY]), cfg.file_search_embedding_model)
-    knowledge = Knowledge(app[DB], FileStore(app[DB], cfg.state_path / "files", cfg.files_max_bytes), embedder)
+    knowledge = Knowledge(app[DB], FileStore(app[DB], cfg.state_path / "files", cfg.files_max_bytes), embedder,
+                          max_bytes_per_key=cfg.vector_stores_max_bytes_per_key)
     app[KNOWLEDGE] = knowledge
     await knowledge.start()
+    sweep = asyncio.create_task(knowledge.sweep_forever(cfg.vector_stores_sweep_interval_s),
+                                name="vector-stores-sweep")
     try:
         yield
     finally:
+        sweep.cancel()
+        await asyncio.gather(sweep, return_exceptions=True)
         await knowledge.close()
 
 
@@ -122,12 +142,11 @@ def _file_id(value: str, param: str = "file_id") -> str:
 
 async def create_store(request: web.Request) -> web.Response:
     req = await decode_body(request, CreateStore)
-    if req.expires_after is not None:
-        raise BadRequest("expires_after is not supported: stores are kept until deleted", param="expires_after")
     file_ids = [_file_id(f, f"file_ids[{i}]") for i, f in enumerate(req.file_ids)]
     knowledge = request.app[KNOWLEDGE]
     store = await knowledge.create_store(request_scope(request), req.name, dict(req.metadata), file_ids,
-                                         _size(req.chunking_strategy), caller_of(request))
+                                         _size(req.chunking_strategy), caller_of(request),
+                                         req.expires_after.days if req.expires_after else None)
     return json_response(await knowledge.book.to_object(store))
 
 

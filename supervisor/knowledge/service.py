@@ -8,19 +8,31 @@ Another key's file or store is a 404, as if it did not exist.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import logging
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from supervisor.db import Database
-from supervisor.errors import BadRequest, NotFound
+from supervisor.errors import ApiError, BadRequest, NotFound
 from supervisor.knowledge.chunking import ChunkSize
 from supervisor.knowledge.embedder import Embedder
 from supervisor.knowledge.files import FileRecord, FileStore
 from supervisor.knowledge.filters import parse as parse_filters
 from supervisor.knowledge.indexer import Indexer, Job, resumed
-from supervisor.knowledge.stores import Attributes, StoreBook, StoreFile, StoreRecord
+from supervisor.knowledge.stores import (
+    Attributes,
+    Quota,
+    StoreBook,
+    StoreFile,
+    StoreRecord,
+)
 from supervisor.knowledge.vectors import VectorIndex
+
+log = logging.getLogger("gpuvisor.knowledge")
 
 MAX_RESULTS = 50
 MAX_STORES_PER_SEARCH = 16
@@ -51,9 +63,13 @@ class SearchResult:
 
 
 class Knowledge:
-    def __init__(self, db: Database, files: FileStore, embedder: Embedder) -> None:
+    def __init__(self, db: Database, files: FileStore, embedder: Embedder, *, max_bytes_per_key: int = 0,
+                 clock: Callable[[], float] = time.time) -> None:
+        """``max_bytes_per_key``: the bytes of files one key's stores may hold
+        together (0: no bound; the admin's stores are never bound)."""
         self.files = files
-        self.book = StoreBook(db)
+        self.max_bytes_per_key = max_bytes_per_key
+        self.book = StoreBook(db, clock)
         self.index = VectorIndex(db)
         self.embedder = embedder
         self.indexer = Indexer(self.book, self.index, embedder)
@@ -71,23 +87,53 @@ class Knowledge:
     # ------------------------------------------------------------ stores
 
     async def create_store(self, scope: str | None, name: str, metadata: dict[str, str],
-                           file_ids: Sequence[str], size: ChunkSize, caller: str) -> StoreRecord:
+                           file_ids: Sequence[str], size: ChunkSize, caller: str,
+                           expires_days: int | None = None) -> StoreRecord:
         model = self.embedder.current()
-        records = [await self._searchable(scope, f) for f in file_ids]  # all checked before any is added
-        store = await self.book.create(scope, name, metadata, model)
+        records = list({r.id: r for r in [await self._searchable(scope, f) for f in file_ids]}.values())
+        # All checked before any is added: no store is left half made by a refusal.
+        if scope is not None and self.max_bytes_per_key:
+            Quota(scope, self.max_bytes_per_key, sum(r.bytes for r in records)).check(
+                await self.book.used_bytes(scope))
+        store = await self.book.create(scope, name, metadata, model, expires_days)
         for rec in records:
             await self._add(store, rec, size, {}, caller)
         return store
 
     async def delete_store(self, scope: str | None, store_id: str) -> None:
         await self.book.get(store_id, scope)
+        await self._remove_store(store_id)
+
+    async def _remove_store(self, store_id: str) -> None:
         await self.indexer.cancel(store_id)
         await self.index.delete(store_id)
         await self.book.remove(store_id)
 
+    async def sweep(self) -> list[str]:
+        """Delete the stores whose expires_after has passed (their chunks,
+        then their rows; the files stay). Returns their ids."""
+        gone = await self.book.expired_ids()
+        for store_id in gone:
+            await self._remove_store(store_id)
+        return gone
+
+    async def sweep_forever(self, interval_s: float) -> None:
+        """:meth:`sweep` every ``interval_s`` until cancelled, by the owner
+        of the service. A failed pass is logged and the next one tries again."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                gone = await self.sweep()
+            except (sqlite3.Error, OSError, ApiError):
+                log.exception("the sweep of expired vector stores failed; it runs again in %g s", interval_s)
+                continue
+            if gone:
+                log.info("removed %d expired vector stores: %s", len(gone), ", ".join(gone))
+
     async def add_file(self, scope: str | None, store_id: str, file_id: str, size: ChunkSize,
                        attributes: Attributes, caller: str) -> StoreFile:
         store = await self.book.get(store_id, scope)
+        store.check_usable(self.book.clock())
         self.embedder.check(store.model)
         rec = await self._searchable(scope, file_id)
         return await self._add(store, rec, size, attributes, caller)
@@ -103,7 +149,10 @@ class Knowledge:
     async def _add(self, store: StoreRecord, rec: FileRecord, size: ChunkSize, attributes: Attributes,
                    caller: str) -> StoreFile:
         await self.indexer.cancel(store.id, rec.id)  # added again: index it afresh
-        row = await self.book.add_file(store.id, rec.id, size, attributes)
+        # The store's owner pays, whoever adds (the admin may add to a key's store).
+        quota = Quota(store.owner, self.max_bytes_per_key, rec.bytes) \
+            if store.owner is not None and self.max_bytes_per_key else None
+        row = await self.book.add_file(store.id, rec.id, size, attributes, quota)
         self.indexer.start(Job(store.id, rec.id, self.files.path(rec.id), store.model, size, caller))
         return row
 
@@ -153,6 +202,8 @@ class Knowledge:
         if len(text) > MAX_QUERY_CHARS:
             raise BadRequest(f"query is over {MAX_QUERY_CHARS} characters", param="query")
         stores = [await self.book.get(s, scope) for s in dict.fromkeys(store_ids)]
+        for store in stores:
+            store.check_usable(self.book.clock(), "vector_store_ids" if len(stores) > 1 else "vector_store_id")
         models = {s.model for s in stores}
         if len(models) > 1:
             raise BadRequest("these vector stores were made with different embedding models; search them apart",

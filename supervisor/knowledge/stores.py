@@ -3,6 +3,17 @@
 A store records the embedding model it was made with, so its chunks and its
 queries are always embedded by the same model, even after the setting
 changes. A store's status and counts are derived from its files' rows.
+
+A store made with ``expires_after: {"anchor": "last_active_at", "days": N}``
+expires N days after it was last used (made, searched, given a file): it
+is then listed as ``expired``, refuses searches and files
+(:class:`StoreExpired`), and the knowledge base's sweep deletes it.
+
+A key's stores hold at most ``vector_stores_max_bytes_per_key`` bytes of
+files together, each file counted once per store it is in (each store
+indexes it apart); an add past it is a 413 naming the setting
+(:class:`QuotaExceeded`). Checked in the add's own write transaction, so
+two adds at once cannot both slip under it.
 """
 
 from __future__ import annotations
@@ -13,13 +24,34 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import aiosqlite
+
 from supervisor.db import Database
-from supervisor.errors import NotFound
+from supervisor.errors import BadRequest, NotFound, PayloadTooLarge
 from supervisor.knowledge.chunking import ChunkSize
-from supervisor.knowledge.records import SCOPED, STORE_PREFIX, PageAsk, new_id, page_sql, scope_args
+from supervisor.knowledge.records import (
+    SCOPED,
+    STORE_PREFIX,
+    PageAsk,
+    new_id,
+    page_sql,
+    scope_args,
+)
 
 FileStatus = Literal["in_progress", "completed", "cancelled", "failed"]
 Attributes = dict[str, str | float | bool]
+DAY_S = 86400
+QUOTA_SETTING = "vector_stores_max_bytes_per_key"
+# Rows whose file holds bytes for the store: a failed or cancelled one holds none.
+_HELD = "status IN ('in_progress', 'completed')"
+
+
+class StoreExpired(BadRequest):
+    code = "vector_store_expired"
+
+
+class QuotaExceeded(PayloadTooLarge):
+    code = "quota_exceeded"
 
 
 @dataclass(frozen=True)
@@ -31,6 +63,21 @@ class StoreRecord:
     last_active_at: int
     metadata: dict[str, str]
     model: str
+    # expires_after's days (anchor last_active_at); None: kept until deleted.
+    expires_days: int | None = None
+
+    @property
+    def expires_at(self) -> int | None:
+        return None if self.expires_days is None else self.last_active_at + self.expires_days * DAY_S
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
+
+    def check_usable(self, now: float, param: str = "vector_store_id") -> None:
+        """A 400 for an expired store (the sweep has not removed it yet)."""
+        if self.expired(now):
+            raise StoreExpired(f"vector store {self.id} expired at {self.expires_at} (expires_after: "
+                               f"{self.expires_days} days after last use); make a new one", param=param)
 
 
 @dataclass(frozen=True)
@@ -53,8 +100,9 @@ class StoreFile:
 
 
 def _store(row: Any) -> StoreRecord:
+    days = row["expires_days"]
     return StoreRecord(row["id"], row["owner"], row["name"], int(row["created_at"]), int(row["last_active_at"]),
-                       json.loads(row["metadata"]), row["model"])
+                       json.loads(row["metadata"]), row["model"], None if days is None else int(days))
 
 
 def _store_file(row: Any) -> StoreFile:
@@ -70,13 +118,14 @@ class StoreBook:
         self.db = db
         self.clock = clock
 
-    async def create(self, owner: str | None, name: str, metadata: dict[str, str], model: str) -> StoreRecord:
+    async def create(self, owner: str | None, name: str, metadata: dict[str, str], model: str,
+                     expires_days: int | None = None) -> StoreRecord:
         now = int(self.clock())
-        rec = StoreRecord(new_id(STORE_PREFIX), owner, name, now, now, metadata, model)
+        rec = StoreRecord(new_id(STORE_PREFIX), owner, name, now, now, metadata, model, expires_days)
         async with self.db.write() as conn:
-            await conn.execute("INSERT INTO vector_stores (id, owner, name, created_at, last_active_at, metadata, model)"
-                               " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                               (rec.id, owner, name, now, now, json.dumps(metadata), model))
+            await conn.execute("INSERT INTO vector_stores (id, owner, name, created_at, last_active_at, metadata, model,"
+                               " expires_days) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                               (rec.id, owner, name, now, now, json.dumps(metadata), model, expires_days))
         return rec
 
     async def get(self, store_id: str, scope: str | None) -> StoreRecord:
@@ -101,6 +150,21 @@ class StoreBook:
             await conn.execute("UPDATE vector_stores SET last_active_at = ? WHERE id = ?",
                                (int(self.clock()), store_id))
 
+    async def expired_ids(self) -> list[str]:
+        """The stores whose expires_after has passed, by this book's clock."""
+        async with self.db.reader.execute(
+                "SELECT id FROM vector_stores WHERE expires_days IS NOT NULL"
+                " AND last_active_at + expires_days * ? <= ?", (DAY_S, int(self.clock()))) as cur:
+            return [r[0] for r in await cur.fetchall()]
+
+    async def used_bytes(self, owner: str) -> int:
+        """Bytes of files the stores of ``owner`` hold (a file once per store)."""
+        async with self.db.reader.execute(
+                f"SELECT coalesce(sum(f.bytes), 0) FROM vector_store_files v JOIN vector_stores s ON s.id = v.store_id"
+                f" JOIN files f ON f.id = v.file_id WHERE s.owner = ? AND v.{_HELD}", (owner,)) as cur:
+            row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
     async def remove(self, store_id: str) -> None:
         """The store and its file rows (cascade); its chunks are removed first by the caller."""
         async with self.db.write() as conn:
@@ -118,16 +182,24 @@ class StoreBook:
                 usage += int(used or 0)
         return {"id": rec.id, "object": "vector_store", "created_at": rec.created_at, "name": rec.name,
                 "usage_bytes": usage, "file_counts": {**counts, "total": sum(counts.values())},
-                "status": "in_progress" if counts["in_progress"] else "completed",
+                "status": "expired" if rec.expired(self.clock()) else
+                          "in_progress" if counts["in_progress"] else "completed",
                 "last_active_at": rec.last_active_at, "metadata": rec.metadata,
-                "expires_after": None, "expires_at": None}
+                "expires_after": None if rec.expires_days is None else
+                {"anchor": "last_active_at", "days": rec.expires_days},
+                "expires_at": rec.expires_at}
 
     # ------------------------------------------------------------ files in stores
 
-    async def add_file(self, store_id: str, file_id: str, size: ChunkSize, attributes: Attributes) -> StoreFile:
-        """Add (or restart) a file's row as in_progress."""
+    async def add_file(self, store_id: str, file_id: str, size: ChunkSize, attributes: Attributes,
+                       quota: Quota | None = None) -> StoreFile:
+        """Add (or restart) a file's row as in_progress; with ``quota``, a 413
+        when the owner's stores would hold more than it allows."""
         row = StoreFile(store_id, file_id, int(self.clock()), "in_progress", None, 0, size, attributes)
         async with self.db.write() as conn:
+            if quota is not None:
+                await _check_quota(conn, quota, store_id, file_id)
+            await conn.execute("UPDATE vector_stores SET last_active_at = ? WHERE id = ?", (row.created_at, store_id))
             await conn.execute(
                 "INSERT OR REPLACE INTO vector_store_files (store_id, file_id, created_at, status, last_error,"
                 " usage_bytes, chunk_tokens, overlap_tokens, attributes) VALUES (?, ?, ?, ?, NULL, 0, ?, ?, ?)",
@@ -179,3 +251,30 @@ class StoreBook:
         async with self.db.write() as conn:
             await conn.execute("DELETE FROM vector_store_files WHERE store_id = ? AND file_id = ?",
                                (store_id, file_id))
+
+
+@dataclass(frozen=True)
+class Quota:
+    """The bound on the bytes of files one owner's stores hold, and the size
+    of the file being added."""
+
+    owner: str
+    limit: int
+    file_bytes: int
+
+    def check(self, used: int) -> None:
+        if used + self.file_bytes > self.limit:
+            raise QuotaExceeded(f"this key's vector stores would hold {used + self.file_bytes} bytes of files, over "
+                                f"the {self.limit} bytes this server allows per key ({QUOTA_SETTING})",
+                                param=QUOTA_SETTING)
+
+
+async def _check_quota(conn: aiosqlite.Connection, quota: Quota, store_id: str, file_id: str) -> None:
+    """In the add's transaction: the bytes the owner's stores hold, less the
+    row being replaced (a file added again counts once)."""
+    async with conn.execute(
+            f"SELECT coalesce(sum(f.bytes), 0) FROM vector_store_files v JOIN vector_stores s ON s.id = v.store_id"
+            f" JOIN files f ON f.id = v.file_id WHERE s.owner = ? AND v.{_HELD}"
+            " AND NOT (v.store_id = ? AND v.file_id = ?)", (quota.owner, store_id, file_id)) as cur:
+        row = await cur.fetchone()
+    quota.check(int(row[0]) if row else 0)

@@ -31,7 +31,13 @@ from supervisor.knowledge.embedder import SETTING
 from supervisor.knowledge.filters import parse as parse_filters
 from supervisor.knowledge.records import STORE_PREFIX, checked_id
 from supervisor.knowledge.service import MAX_STORES_PER_SEARCH, Knowledge
-from supervisor.responses.items import FileSearchCallItem, FileSearchResult, Item, keep_read, new_id
+from supervisor.responses.items import (
+    FileSearchCallItem,
+    FileSearchResult,
+    Item,
+    keep_read,
+    new_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -205,10 +211,12 @@ async def _stores(knowledge: Knowledge, tool: FileSearchTool, i: int, scope: str
     models = set()
     for store_id in dict.fromkeys(tool.vector_store_ids):
         try:
-            models.add((await knowledge.book.get(store_id, scope)).model)
+            store = await knowledge.book.get(store_id, scope)
         except NotFound as exc:
             raise BadRequest(f"file_search tool tools[{i}]: no vector store with id {store_id!r}",
                              param=param) from exc
+        store.check_usable(knowledge.book.clock(), param)
+        models.add(store.model)
     if len(models) > 1:
         raise BadRequest(f"file_search tool tools[{i}]: these vector stores were made with different embedding "
                          "models; search them apart", param=param)

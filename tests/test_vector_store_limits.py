@@ -1,0 +1,168 @@
+"""Vector stores' expires_after and the per-key quota, on the real service
+with the tiny model as the embedding model: a store past its expiry is
+listed as expired, refuses searches, files and the file_search tool, and
+the service's own sweep deletes it (the files stay); a key's stores hold at
+most vector_stores_max_bytes_per_key bytes of files, past which an add is a
+413 naming the setting. Objects validate strictly as the SDK's types."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types import VectorStore
+
+from tests.server import REPO, Server, poll_until, running, short_tempdir
+
+pytestmark = pytest.mark.timeout(240)
+ADMIN = "gva_0123abcd_" + "D" * 43
+QUOTA = 100
+ENV = {"GPUVISOR_FILE_SEARCH_EMBEDDING_MODEL": "tiny", "GPUVISOR_ADMIN_TOKEN": ADMIN,
+       "GPUVISOR_VECTOR_STORES_MAX_BYTES_PER_KEY": str(QUOTA)}
+DAY = 86400
+
+
+def _add_key(state: Path, name: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "supervisor", "keys", "add", name, "--state-dir", str(state)],
+                         capture_output=True, text=True, cwd=REPO, timeout=60, check=True)
+    return out.stdout.strip()
+
+
+class Setup:
+    def __init__(self, models: Path, state: Path) -> None:
+        self.models, self.state = models, state
+        self.alice, self.bob = _add_key(state, "alice"), _add_key(state, "bob")
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_path: Path) -> Setup:
+    models = short_tempdir("gvm")
+    (models / "tiny.gguf").symlink_to(tiny_model_path)
+    return Setup(models, short_tempdir("gv"))
+
+
+@pytest.fixture(scope="module")
+def srv(setup: Setup) -> Iterator[Server]:
+    # The default sweep (every 300 s): none runs until a test asks for it.
+    with running(Server(setup.models, state_dir=setup.state, env=ENV)) as server:
+        yield server
+
+
+def sdk(srv: Server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _error(reply: httpx.Response, status: int) -> dict[str, Any]:
+    assert reply.status_code == status, reply.text
+    body = reply.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
+    return body["error"]  # type: ignore[no-any-return]
+
+
+def _post(srv: Server, key: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{srv.base_url}/v1/{path}", json=body, headers={"Authorization": f"Bearer {key}"},
+                      timeout=60)
+
+
+def _age(state: Path, store_id: str, days: float) -> None:
+    """Move the store's last use ``days`` back, in the service's own database."""
+    with sqlite3.connect(state / "gpuvisor.db", timeout=30) as db:
+        db.execute("UPDATE vector_stores SET last_active_at = last_active_at - ? WHERE id = ?",
+                   (int(days * DAY), store_id))
+
+
+def _indexed(client: openai.OpenAI, store_id: str, total: int) -> VectorStore:
+    return poll_until(lambda: client.vector_stores.retrieve(store_id),
+                      lambda s: s.file_counts.in_progress == 0 and s.file_counts.total == total, timeout=90)
+
+
+def test_an_expired_store_is_listed_so_refuses_use_and_is_swept(setup: Setup, srv: Server) -> None:
+    alice = sdk(srv, setup.alice)
+    notes = alice.files.create(file=("notes.md", b"The heron waits."), purpose="assistants")
+    store = alice.vector_stores.create(name="brief", file_ids=[notes.id],
+                                       expires_after={"anchor": "last_active_at", "days": 2})
+    kept = alice.vector_stores.create(name="kept")
+    raw = httpx.get(f"{srv.base_url}/v1/vector_stores/{store.id}", headers={"Authorization": f"Bearer {setup.alice}"},
+                    timeout=30).json()
+    checked = VectorStore.model_validate(raw, strict=True)
+    assert checked.expires_after is not None and checked.expires_after.days == 2
+    assert checked.last_active_at is not None and checked.expires_at == checked.last_active_at + 2 * DAY
+    assert checked.status != "expired"
+    _indexed(alice, store.id, 1)
+    # A search is a use: it moves last_active_at, and expires_at with it.
+    _age(setup.state, store.id, 1)
+    alice.vector_stores.search(store.id, query="heron")
+    searched = alice.vector_stores.retrieve(store.id)
+    assert searched.last_active_at is not None and searched.expires_at is not None
+    assert searched.expires_at == searched.last_active_at + 2 * DAY >= checked.expires_at
+    _age(setup.state, store.id, 2.5)
+    expired = alice.vector_stores.retrieve(store.id)
+    assert expired.status == "expired" and expired.expires_at is not None and expired.expires_at < checked.expires_at
+    assert {s.id: s.status for s in alice.vector_stores.list()}[store.id] == "expired"
+    refused = _error(_post(srv, setup.alice, f"vector_stores/{store.id}/search", {"query": "heron"}), 400)
+    assert (refused["code"], refused["param"]) == ("vector_store_expired", "vector_store_id")
+    assert "expired" in refused["message"]
+    other = alice.files.create(file=("more.md", b"More."), purpose="assistants")
+    assert _error(_post(srv, setup.alice, f"vector_stores/{store.id}/files", {"file_id": other.id}),
+                  400)["code"] == "vector_store_expired"
+    tool = {"type": "file_search", "vector_store_ids": [store.id]}
+    asked = _error(_post(srv, setup.alice, "responses", {"model": "tiny", "input": "x", "tools": [tool],
+                                                         "tool_choice": {"type": "file_search"}}), 400)
+    assert asked["param"] == "tools[0].vector_store_ids" and asked["code"] == "vector_store_expired"
+    # The sweep deletes it, and only it; the files stay. (The same service, sweeping often.)
+    srv.extra_env = {**srv.extra_env, "GPUVISOR_VECTOR_STORES_SWEEP_INTERVAL_S": "0.2"}
+    srv.restart()
+    alice = sdk(srv, setup.alice)
+    poll_until(lambda: {s.id for s in alice.vector_stores.list()}, lambda ids: store.id not in ids, timeout=30)
+    with pytest.raises(openai.NotFoundError):
+        alice.vector_stores.retrieve(store.id)
+    assert alice.vector_stores.retrieve(kept.id).status == "completed"
+    assert alice.files.retrieve(notes.id).id == notes.id
+    with sqlite3.connect(f"file:{setup.state / 'gpuvisor.db'}?mode=ro", uri=True) as db:
+        assert db.execute("SELECT count(*) FROM chunks WHERE store_id = ?", (store.id,)).fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("expires,param", [
+    ({"anchor": "created_at", "days": 1}, "expires_after.anchor"),
+    ({"anchor": "last_active_at", "days": 0}, "expires_after.days"),
+    ({"anchor": "last_active_at", "days": 366}, "expires_after.days"),
+    ({"anchor": "last_active_at", "days": 1, "hours": 2}, "expires_after"),
+    ({"anchor": "last_active_at"}, "expires_after"),
+])
+def test_bad_expires_after_is_refused_naming_the_field(setup: Setup, srv: Server, expires: dict[str, Any],
+                                                       param: str) -> None:
+    error = _error(_post(srv, setup.alice, "vector_stores", {"name": "x", "expires_after": expires}), 400)
+    assert error["param"] == param, error
+
+
+def test_a_keys_stores_hold_at_most_the_quota(setup: Setup, srv: Server) -> None:
+    alice, bob, admin = sdk(srv, setup.alice), sdk(srv, setup.bob), sdk(srv, ADMIN)
+    sixty = b"x" * 59 + b"\n"
+    a = alice.files.create(file=("a.txt", sixty), purpose="assistants")
+    b = alice.files.create(file=("b.txt", sixty), purpose="assistants")
+    first = alice.vector_stores.create(name="first", file_ids=[a.id])
+    before = {s.id for s in alice.vector_stores.list()}
+    over = _error(_post(srv, setup.alice, f"vector_stores/{first.id}/files", {"file_id": b.id}), 413)
+    assert (over["param"], over["code"]) == ("vector_stores_max_bytes_per_key", "quota_exceeded")
+    assert str(QUOTA) in over["message"] and "120" in over["message"]
+    # A store made with files past it is not made at all.
+    _error(_post(srv, setup.alice, "vector_stores", {"name": "second", "file_ids": [b.id]}), 413)
+    assert {s.id for s in alice.vector_stores.list()} == before
+    # Adding a file the store holds again counts it once.
+    assert alice.vector_stores.files.create(vector_store_id=first.id, file_id=a.id).status == "in_progress"
+    _indexed(alice, first.id, 1)
+    # Each key has its own quota; the admin has none, also for a store with both files.
+    mine = bob.files.create(file=("c.txt", sixty), purpose="assistants")
+    bob.vector_stores.create(name="bob", file_ids=[mine.id])
+    both = admin.vector_stores.create(name="admin", file_ids=[a.id, b.id])
+    assert both.file_counts.total == 2
+    # Deleting a store frees what it held.
+    alice.vector_stores.delete(first.id)
+    assert alice.vector_stores.create(name="again", file_ids=[b.id]).file_counts.total == 1
