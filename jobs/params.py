@@ -232,6 +232,8 @@ class SleepParams(JobParams, DeviceChoice):
     ignore_term: bool = False
     use_device: bool = True
     tag: Annotated[str, msgspec.Meta(max_length=200)] = ""
+    # Lines written to its log (stderr) at each step.
+    log_lines: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
     # As NodeParams' (msgspec structs take fields from one base only).
     node: NodeName | None = None
 

@@ -42,6 +42,10 @@ def run(io: JobIO, params: JobParams, ctx: JobContext) -> dict[str, object]:
             _misbehave(params.crash)
         if params.step_seconds:
             time.sleep(params.step_seconds)
+        if params.log_lines:
+            # Its log (stderr), for the tests of a log read while the job runs.
+            print("\n".join(f"step {step + 1} line {n}" for n in range(params.log_lines)), file=sys.stderr,
+                  flush=True)
         frac = (step + 1) / params.steps
         for i in range(params.events_per_step):
             # t: wall time at emission, for the SSE latency benchmark.

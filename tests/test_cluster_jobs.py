@@ -75,6 +75,9 @@ class AgentJob:
             self.agent._job(self.pid)  # a pid it no longer tends is never signalled
             os.killpg(self.pid, sig)
 
+    async def read_log(self, offset: int, max_bytes: int) -> bytes:
+        return await self.agent.read_job_log(self.pid, offset, max_bytes)
+
     async def log_tail(self) -> str:
         return await self.agent.job_log_tail(self.pid)
 
@@ -285,6 +288,35 @@ async def test_a_download_naming_a_node_fills_that_nodes_own_cache_and_is_record
             assert [e.nodes for e in again[0]] == [{"node-b": str(local)}]
     finally:
         await hub.close()
+
+
+async def test_a_node_jobs_log_comes_here_while_it_runs_bounded_in_size(tmp_path: Path) -> None:
+    async with cluster_lab(tmp_path, node_log_max_bytes=20_000) as lab:
+        job, _ = await lab.runner.submit("sleep", SleepParams(steps=400, step_seconds=0.05, use_device=False,
+                                                              node="node-b", log_lines=2))
+        log_path = lab.runner.settings.logs_dir / f"{job.id}.log"
+        # Its lines show here while it still runs, in order, as its node wrote them.
+        running = await wait_for(lab.runner.store, job.id,
+                                 lambda j: log_path.exists() and "step 3 line 1" in log_path.read_text())
+        assert running.status == "running"
+        text = log_path.read_text()
+        assert text.index("step 1 line 0") < text.index("step 2 line 1") < text.index("step 3 line 1")
+        await lab.runner.cancel(job.id)
+        assert (await wait_finished(lab.runner.store, job.id)).status == "cancelled"
+        # Once ended, all of it is here: what the node's log holds, once.
+        on_node = (lab.agent_dir / "logs" / f"{job.id}.log").read_text()
+        assert log_path.read_text() == on_node and on_node.count("step 1 line 0") == 1
+
+        # A job that logs more than the bound: the first 20,000 bytes, a line saying where the rest is, its tail.
+        chatty, _ = await lab.runner.submit("sleep", SleepParams(steps=60, step_seconds=0.02, use_device=False,
+                                                                 node="node-b", log_lines=100))
+        done = await wait_finished(lab.runner.store, chatty.id)
+        assert done.status == "succeeded", done.error
+        here = (lab.runner.settings.logs_dir / f"{chatty.id}.log").read_text()
+        on_node = (lab.agent_dir / "logs" / f"{chatty.id}.log").read_text()
+        assert len(on_node) > 90_000 and here.startswith(on_node[:20_000])
+        assert "the rest of this log stays on node node-b" in here
+        assert here.rstrip().endswith("step 60 line 99") and len(here) < 20_000 + 5_000
 
 
 def _job(job_id: str, kind: str, params: dict[str, object]) -> Job:

@@ -24,9 +24,12 @@ import psutil
 import pytest
 
 from supervisor.config import ConfigError, load_config
+from supervisor.workers import handle as handle_module
 from supervisor.workers.connection import Endpoint, Listener
-from supervisor.workers.launcher import worker_argv
+from supervisor.workers.handle import WorkerHandle, WorkerState
+from supervisor.workers.launcher import LocalLauncher, LocalProcess, worker_argv
 from supervisor.workers.node_agent import NodeAgent, UnknownWorker
+from supervisor.workers.queue import Pending, WorkerGone
 from supervisor.workers.ray_launcher import ClusterError, RayLauncher, _pick_node
 from supervisor.workers.spec import Timing, WorkerSpec
 from tests.server import REPO, short_tempdir
@@ -157,6 +160,93 @@ def test_a_cluster_that_does_not_answer_fails_the_start_in_bounded_time() -> Non
     assert got["error"] and "no answer from the Ray cluster" in got["error"], got
     assert got["s"] < 30 and got["ticks"] >= 20, got  # the loop ran on meanwhile
     assert got["handler"] is True
+
+
+class _OnNode:
+    """A local worker standing for one on a node: ``host_lost`` says when its node's agent is gone."""
+
+    def __init__(self, started: LocalProcess) -> None:
+        self.started = started
+        self.host_lost = False
+
+    @property
+    def pid(self) -> int:
+        return self.started.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.started.returncode
+
+    async def wait(self) -> int:
+        return await self.started.wait()
+
+    def kill(self, sig: int) -> None:
+        self.started.kill(sig)
+
+    def rss(self) -> int:
+        return self.started.rss()
+
+    def log_tail(self) -> str:
+        return self.started.log_tail()
+
+    def cleanup(self) -> None:
+        self.started.cleanup()
+
+
+class _NodeLauncher:
+    """The local launcher's processes, as _OnNode."""
+
+    def __init__(self, run_dir: Path, log_dir: Path) -> None:
+        self.local = LocalLauncher(run_dir, log_dir)
+        self.started: _OnNode | None = None
+
+    def log_path(self, spec: WorkerSpec) -> Path:
+        return self.local.log_path(spec)
+
+    async def start(self, spec: WorkerSpec, timing: Timing, address: list[str], secret: bytes,
+                    stem: str) -> _OnNode:
+        self.started = _OnNode(await self.local.start(spec, timing, address, secret, stem))
+        return self.started
+
+
+async def _held_request_on_a_lost_node(tiny_model_path: Path) -> tuple[WorkerHandle, Pending]:
+    """A handle whose worker took a request and then died with its node (held still, then SIGKILLed)."""
+    run, logs = short_tempdir(), short_tempdir()
+    launcher = _NodeLauncher(run, logs)
+    handle = WorkerHandle(WorkerSpec("tiny", tiny_model_path, False, 256, 0, 1), TIMING, run, logs, 8,
+                          launcher=launcher, endpoint=Endpoint.parse("unix"))
+    handle.start()
+    await asyncio.wait_for(handle.ready.wait(), 90)
+    assert launcher.started is not None and handle.pid is not None
+    os.kill(handle.pid, signal.SIGSTOP)  # it cannot answer before its node goes
+    pend = handle.submit(p.Generate(0, p.SamplingParams(max_tokens=200, temperature=0.0), prompt="once"))
+    launcher.started.host_lost = True
+    os.kill(handle.pid, signal.SIGKILL)
+    return handle, pend
+
+
+async def test_requests_on_a_worker_gone_with_its_node_end_with_node_lost_once_the_cluster_says_so(
+        tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    handle, pend = await _held_request_on_a_lost_node(tiny_model_path)
+    try:
+        # Its connection broke and its process is gone: the request waits for the cluster's verdict...
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(pend.events.get(), 3)
+        assert handle.state is WorkerState.CRASHED
+    finally:
+        # ...which is the pool's stop for the node's loss (supervisor/workers/node_loss.py).
+        await handle.stop("node node-b left the cluster", "node_lost")
+    event = await asyncio.wait_for(pend.events.get(), 10)
+    assert isinstance(event, WorkerGone) and event.code == "node_lost", event
+    assert event.message == "node node-b left the cluster"
+    # A node that is never declared gone (only its agent died): after the bound, a crash as before.
+    monkeypatch.setattr(handle_module, "NODE_VERDICT_S", 0.5)
+    handle, pend = await _held_request_on_a_lost_node(tiny_model_path)
+    try:
+        event = await asyncio.wait_for(pend.events.get(), 30)
+        assert isinstance(event, WorkerGone) and event.code == "worker_crashed", event
+    finally:
+        await handle.stop()
 
 
 def test_a_worker_goes_to_the_first_alive_node_with_its_gpus() -> None:

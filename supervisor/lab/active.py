@@ -34,6 +34,9 @@ class RunnerSettings:
     log_tail_bytes: int = 2000
     retention_s: float = DEFAULT_RETENTION_S
     prune_interval_s: float = 3600.0
+    # The most of a node job's log copied here while it runs (node_log.py);
+    # past it, the rest stays on the node and its tail comes at the end.
+    node_log_max_bytes: int = 1 << 20
     # Extra environment for job processes (e.g. HF_TOKEN, HF_HUB_CACHE).
     extra_env: Mapping[str, str] = field(default_factory=dict)
 

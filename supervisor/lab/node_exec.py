@@ -13,9 +13,10 @@ those directories with its nodes (NFS and the like, docs/cluster.md).
 
 Its stdout comes back by polling the agent (a read waits up to
 ``POLL_S`` for output), through the same framer as a local job's, into the
-same store; the runner signals it through the agent. Its stderr stays in a
-log on the node; its tail is copied into the job's log here at its end, so
-a failed job says why as a local one does. A download there fills that
+same store; the runner signals it through the agent. Its stderr goes to a
+log on the node, copied into the job's log here while it runs, bounded
+(node_log.py), so the job page shows it live and a failed job says why as
+a local one does. A download there fills that
 node's own Hub cache; its result names the node, and its files are
 recorded (supervisor/lab/node_files.py) for the library and placement.
 A node lost mid-job raises
@@ -41,6 +42,7 @@ from supervisor.lab.job_process import EventFramer
 from supervisor.lab.lease import GpuLease
 from supervisor.lab.node_files import NodeFiles, is_model_file, node_entries
 from supervisor.lab.node_jobs import JobNodes, NodeJob, NodeJobLost
+from supervisor.lab.node_log import NodeLogCopy
 from supervisor.lab.store import JobStore
 from supervisor.models.entry import ModelEntry
 from supervisor.models.gpu_reading import device_node
@@ -108,6 +110,7 @@ class NodeJobExecution:
             raise NodeSpawnFailed(f"on node {node}: {exc}") from exc
         active.pgid = proc.pid
         active.send = proc.signal
+        copy = NodeLogCopy(proc, log_path, node, self.settings.node_log_max_bytes)
         lost = False
         try:
             # No create_time: boot recovery never kills a pid of another machine here.
@@ -115,7 +118,7 @@ class NodeJobExecution:
                                           log_path=str(log_path))
             if active.stop_reason is not None:
                 self._signal_stop(active, active.stop_reason == "heartbeat")
-            rc = await self._pump(active, proc, node if own_cache else "")
+            rc = await self._pump(active, proc, copy, node if own_cache else "")
             if rc == 0 and own_cache and isinstance(active.terminal, Done):
                 await self._record_files(node, active.job.id, active.terminal.result)
             return rc
@@ -125,17 +128,14 @@ class NodeJobExecution:
         finally:
             # ``send`` stays: a pid of another machine must never be signalled here.
             if not lost:
-                await self._finish_on_node(active, proc, log_path)
+                await self._finish_on_node(active, proc, copy)
 
-    async def _finish_on_node(self, active: ActiveJob, proc: NodeJob, log_path: Path) -> None:
-        """Copy the log's tail here, then reap what is left there."""
+    async def _finish_on_node(self, active: ActiveJob, proc: NodeJob, copy: NodeLogCopy) -> None:
+        """Copy the rest of its log here (node_log.py), then reap what is left there."""
         try:
-            tail = await proc.log_tail()
-            if tail:
-                with log_path.open("a", encoding="utf-8") as f:
-                    f.write(tail + "\n")
-        except OSError as exc:  # ClusterError is one: the job's outcome stands without its tail
-            log.warning("job %s: no log tail from its node: %s", active.job.id, exc)
+            await copy.finish()
+        except OSError as exc:  # ClusterError is one: the job's outcome stands without its log's end
+            log.warning("job %s: the end of its log did not come from its node: %s", active.job.id, exc)
         try:
             await proc.cleanup()
         except OSError as exc:
@@ -163,7 +163,7 @@ class NodeJobExecution:
         if self.on_node_models is not None:
             self.on_node_models(node_entries(await self.files.held_models()))
 
-    async def _pump(self, active: ActiveJob, proc: NodeJob, own_cache_node: str = "") -> int:
+    async def _pump(self, active: ActiveJob, proc: NodeJob, copy: NodeLogCopy, own_cache_node: str = "") -> int:
         """Store events until the job ends; stop it when heartbeats stop.
         ``own_cache_node``: a download into that node's cache, whose result says so."""
         loop = asyncio.get_running_loop()
@@ -172,6 +172,8 @@ class NodeJobExecution:
         last_output = last_touch = loop.time()
         while True:
             data, rc = await proc.read(POLL_S)
+            if rc is None:
+                await copy.poll(loop.time())  # its log, live (the rest comes at its end)
             framed = framer.feed(data) if rc is None else framer.finish()
             if data:
                 last_output = loop.time()

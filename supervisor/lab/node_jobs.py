@@ -32,6 +32,10 @@ class NodeJob(Protocol):
         """Signal its whole group there (sent, not awaited)."""
         ...
 
+    async def read_log(self, offset: int, max_bytes: int) -> bytes:
+        """Up to ``max_bytes`` of its stderr log on the node from ``offset``."""
+        ...
+
     async def log_tail(self) -> str:
         """The end of its stderr log on the node."""
         ...

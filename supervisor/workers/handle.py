@@ -22,7 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from supervisor.workers.connection import Connection, Endpoint
-from supervisor.workers.crash import exit_is_news, exit_reason, load_failure_reason, worker_log_path
+from supervisor.workers.crash import (
+    exit_is_news,
+    exit_reason,
+    load_failure_reason,
+    worker_log_path,
+)
 from supervisor.workers.launcher import Launcher, LocalLauncher
 from supervisor.workers.process import HandshakeFailed, LoadFailed, WorkerProcess
 from supervisor.workers.queue import Pending, RequestQueue
@@ -35,6 +40,10 @@ __all__ = ["Cause", "NotAccepting", "WorkerHandle", "WorkerState", "worker_log_p
 log = logging.getLogger("gpuvisor.worker")
 
 EXIT_LOAD_FAILED = p.EXIT_LOAD_FAILED
+# How long the requests in flight on a worker that ended with its node's agent
+# wait for the cluster's verdict on that node: Ray's default health checks
+# declare a dead node within about 30 s (docs/cluster.md).
+NODE_VERDICT_S = 30.0
 
 
 class WorkerState(enum.Enum):
@@ -206,6 +215,8 @@ class WorkerHandle:
             code = await self._run_once()
             if self._stop_requested.is_set():
                 break
+            if self.process.host_lost() and self.inflight and await self._await_node_verdict():
+                break
             if code == EXIT_LOAD_FAILED or self.state is WorkerState.FAILED:
                 self._fail_permanently(load_failure_reason(self.reason))
                 log.error("cannot load %s: %s (its log: %s)", self._label(), self.reason, self.log_path)
@@ -240,6 +251,19 @@ class WorkerHandle:
         n = len(self.crash_times)
         self._fail_permanently(
             f"{n} crash{'' if n == 1 else 'es'} within {self.timing.crash_window:.0f}s; last: {self.reason}")
+        return True
+
+    async def _await_node_verdict(self) -> bool:
+        """The worker ended with its node's agent: its requests in flight wait
+        for the cluster to declare the node dead, when the pool stops this
+        handle with ``node_lost`` (its node-loss handling), rather
+        than end at once as a crash. True when that stop came; False after
+        the bound (an agent gone on a node that lives: a crash after all)."""
+        self._set_state(WorkerState.CRASHED)
+        try:
+            await asyncio.wait_for(self._stop_requested.wait(), NODE_VERDICT_S)
+        except TimeoutError:
+            return False
         return True
 
     def _phase(self) -> str:

@@ -57,6 +57,12 @@ class Started(Protocol):
     def cleanup(self) -> None:
         """After its exit: end what is left of its group, remove its files."""
 
+    @property
+    def host_lost(self) -> bool:
+        """Whether it ended with what tended it on its machine (a cluster
+        node's agent, gone with its node): never for a local process."""
+        ...
+
 
 class Launcher(Protocol):
     def log_path(self, spec: WorkerSpec) -> Path:
@@ -126,6 +132,10 @@ class LocalProcess:
 
     def rss(self) -> int:
         return _rss(self._proc.pid)
+
+    @property
+    def host_lost(self) -> bool:
+        return False  # this machine: the parent's own
 
     def log_tail(self) -> str:
         return read_log_tail(self._log_path, self._log_start)

@@ -209,6 +209,14 @@ class NodeAgent:
         self._job(pid)
         return signal_group(pid, sig)
 
+    async def read_job_log(self, pid: int, offset: int, max_bytes: int) -> bytes:
+        """Up to ``max_bytes`` (at most JOB_READ_BYTES) of the job's log from
+        ``offset`` (counted from where this job's lines start): the parent
+        streams it while the job runs."""
+        job = self._job(pid)
+        return await asyncio.to_thread(_read_span, job.log_path, job.log_start + offset,
+                                       min(max_bytes, JOB_READ_BYTES))
+
     async def job_log_tail(self, pid: int) -> str:
         job = self._job(pid)
         return read_log_tail(job.log_path, job.log_start)
@@ -235,6 +243,15 @@ class NodeAgent:
             return self._children[pid]
         except KeyError:
             raise UnknownWorker(f"no worker with pid {pid} on this node") from None
+
+
+def _read_span(path: Path, start: int, size: int) -> bytes:
+    try:
+        with path.open("rb") as f:
+            f.seek(start)
+            return f.read(size)
+    except FileNotFoundError:
+        return b""  # not written yet
 
 
 def _engine_socket(argv: list[str]) -> Path:

@@ -67,6 +67,11 @@ class WorkerProcess:
         started = self._started or self._last
         return started.log_tail() if started is not None else ""
 
+    def host_lost(self) -> bool:
+        """Did the last process end with its node's agent (launcher.Started.host_lost)?"""
+        started = self._started or self._last
+        return started is not None and started.host_lost
+
     # ------------------------------------------------------------ writing
 
     def encode(self, msg: msgspec.Struct) -> bytes:

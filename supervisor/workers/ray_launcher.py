@@ -309,6 +309,10 @@ class RayProcess:
     def log_tail(self) -> str:
         return self._tail
 
+    @property
+    def host_lost(self) -> bool:
+        return self._agent_lost
+
     def cleanup(self) -> None:
         self._watch.cancel()
         if self._returncode is not None and not self._agent_lost:
@@ -384,6 +388,12 @@ class RayNodeJob:
         if not (self._lost or self._reaped):
             # Fire and forget: the job's end comes back through read().
             self._agent.actor.signal_job.remote(self._pid, sig)
+
+    async def read_log(self, offset: int, max_bytes: int) -> bytes:
+        if self._lost:
+            return b""
+        got: bytes = await _bounded(self._agent.actor.read_job_log.remote(self._pid, offset, max_bytes))
+        return got
 
     async def log_tail(self) -> str:
         if self._lost:
