@@ -148,10 +148,14 @@ class Knowledge:
 
     async def _add(self, store: StoreRecord, rec: FileRecord, size: ChunkSize, attributes: Attributes,
                    caller: str) -> StoreFile:
-        await self.indexer.cancel(store.id, rec.id)  # added again: index it afresh
         # The store's owner pays, whoever adds (the admin may add to a key's store).
         quota = Quota(store.owner, self.max_bytes_per_key, rec.bytes) \
             if store.owner is not None and self.max_bytes_per_key else None
+        if quota is not None:
+            # Before the cancel below: a refused re-add leaves the file's indexing as it was.
+            quota.check(await self.book.used_bytes(quota.owner, (store.id, rec.id)))
+        await self.indexer.cancel(store.id, rec.id)  # added again: index it afresh
+        # The add checks the quota again in its own transaction: the word that counts.
         row = await self.book.add_file(store.id, rec.id, size, attributes, quota)
         self.indexer.start(Job(store.id, rec.id, self.files.path(rec.id), store.model, size, caller))
         return row

@@ -42,8 +42,11 @@ FileStatus = Literal["in_progress", "completed", "cancelled", "failed"]
 Attributes = dict[str, str | float | bool]
 DAY_S = 86400
 QUOTA_SETTING = "vector_stores_max_bytes_per_key"
-# Rows whose file holds bytes for the store: a failed or cancelled one holds none.
-_HELD = "status IN ('in_progress', 'completed')"
+# The bytes of files an owner's stores hold, less one (store, file) row:
+# rows in progress or completed (a failed or cancelled one holds nothing).
+_USED_SQL = ("SELECT coalesce(sum(f.bytes), 0) FROM vector_store_files v JOIN vector_stores s ON s.id = v.store_id"
+             " JOIN files f ON f.id = v.file_id WHERE s.owner = ? AND v.status IN ('in_progress', 'completed')"
+             " AND NOT (v.store_id = ? AND v.file_id = ?)")
 
 
 class StoreExpired(BadRequest):
@@ -157,11 +160,10 @@ class StoreBook:
                 " AND last_active_at + expires_days * ? <= ?", (DAY_S, int(self.clock()))) as cur:
             return [r[0] for r in await cur.fetchall()]
 
-    async def used_bytes(self, owner: str) -> int:
-        """Bytes of files the stores of ``owner`` hold (a file once per store)."""
-        async with self.db.reader.execute(
-                f"SELECT coalesce(sum(f.bytes), 0) FROM vector_store_files v JOIN vector_stores s ON s.id = v.store_id"
-                f" JOIN files f ON f.id = v.file_id WHERE s.owner = ? AND v.{_HELD}", (owner,)) as cur:
+    async def used_bytes(self, owner: str, but: tuple[str, str] = ("", "")) -> int:
+        """Bytes of files the stores of ``owner`` hold (a file once per
+        store), less the (store id, file id) row ``but``."""
+        async with self.db.reader.execute(_USED_SQL, (owner, *but)) as cur:
             row = await cur.fetchone()
         return int(row[0]) if row else 0
 
@@ -272,9 +274,6 @@ class Quota:
 async def _check_quota(conn: aiosqlite.Connection, quota: Quota, store_id: str, file_id: str) -> None:
     """In the add's transaction: the bytes the owner's stores hold, less the
     row being replaced (a file added again counts once)."""
-    async with conn.execute(
-            f"SELECT coalesce(sum(f.bytes), 0) FROM vector_store_files v JOIN vector_stores s ON s.id = v.store_id"
-            f" JOIN files f ON f.id = v.file_id WHERE s.owner = ? AND v.{_HELD}"
-            " AND NOT (v.store_id = ? AND v.file_id = ?)", (quota.owner, store_id, file_id)) as cur:
+    async with conn.execute(_USED_SQL, (quota.owner, store_id, file_id)) as cur:
         row = await cur.fetchone()
     quota.check(int(row[0]) if row else 0)

@@ -100,22 +100,28 @@ def refuse_code(tools: list[Any], containers: Containers, owner: str | None) -> 
         if n > 0:
             raise BadRequest("only one code_interpreter tool may be given", param=f"tools[{i}]")
         match tool.container:
-            case CodeInterpreterAuto(file_ids=ids) if ids and len(ids) > MAX_INPUT_FILES:
-                raise BadRequest(f"code_interpreter tool tools[{i}]: at most {MAX_INPUT_FILES} file_ids",
-                                 param=f"tools[{i}].container.file_ids")
-            case CodeInterpreterAuto(file_ids=ids) if ids:
-                for j, fid in enumerate(ids):
-                    checked_id(fid, FILE_PREFIX, f"tools[{i}].container.file_ids[{j}]")
-            case CodeInterpreterAuto(network_policy=policy) if policy and policy.get("type") != "disabled":
-                raise BadRequest(f"code_interpreter tool tools[{i}]: the sandbox has no network here; "
-                                 "network_policy may only be {\"type\": \"disabled\"}",
-                                 param=f"tools[{i}].container.network_policy")
+            case CodeInterpreterAuto() as auto:
+                _refuse_auto(auto, i)
             case str() as cid:
                 try:
                     containers.pool.get(cid, owner)
                 except ContainerError as exc:
                     raise BadRequest(f"code_interpreter tool tools[{i}]: {exc}", param=f"tools[{i}].container",
                                      code="container_not_found") from exc
+
+
+def _refuse_auto(auto: CodeInterpreterAuto, i: int) -> None:
+    """The 400s of an auto container: a network policy, too many file ids or a malformed one."""
+    if auto.network_policy and auto.network_policy.get("type") != "disabled":
+        raise BadRequest(f"code_interpreter tool tools[{i}]: the sandbox has no network here; "
+                         "network_policy may only be {\"type\": \"disabled\"}",
+                         param=f"tools[{i}].container.network_policy")
+    ids = auto.file_ids or []
+    if len(ids) > MAX_INPUT_FILES:
+        raise BadRequest(f"code_interpreter tool tools[{i}]: at most {MAX_INPUT_FILES} file_ids",
+                         param=f"tools[{i}].container.file_ids")
+    for j, fid in enumerate(ids):
+        checked_id(fid, FILE_PREFIX, f"tools[{i}].container.file_ids[{j}]")
 
 
 def code_of(arguments: str) -> str | None:
