@@ -24,6 +24,7 @@ from supervisor.models.placement import GPU_RUNTIME_RESERVE, plan_load
 from supervisor.models.slots import SlotAsk
 from supervisor.workers.cluster_nodes import ClusterNodes, node_readings
 from supervisor.workers.gpu_room import GpuRoom
+from supervisor.workers.node_loss import NodeLoss
 from supervisor.workers.ray_launcher import ClusterError, ClusterNode, _name_for
 from supervisor.workers.room import Room
 from tests import gguf_headers as hdr
@@ -302,3 +303,32 @@ async def test_a_model_on_a_nodes_own_disk_goes_only_to_a_node_that_holds_it(tmp
     with pytest.raises(Unavailable, match="held only on node-a") as info:
         await room.fit_placed(entry, ModelSettings(), False, SlotAsk(4, 4), False)
     assert info.value.code == "model_not_on_any_node"
+
+
+async def test_a_model_on_a_nodes_own_disk_is_usable_while_a_node_that_holds_it_serves() -> None:
+    listed: list[list[ModelEntry]] = []
+    serving: list[str] | None = ["node-b"]
+
+    async def load(_model: str, _embedding: bool) -> None:
+        raise AssertionError("no worker ran on the lost node")
+
+    loss = NodeLoss({}, lambda _k: None, lambda: None, load, listed.append, lambda: serving)
+    held = ModelEntry(id="org/m", path="/a/m.gguf", files=["/a/m.gguf"], size_bytes=GIB, source="node", root="",
+                      mtime=0.0, nodes={"node-a": "/a/m.gguf"})
+    loss.set_node_models([held])
+    assert not listed[-1][0].usable
+    assert listed[-1][0].reason == "it is held only on the own disk of node-a, which is not in the cluster now"
+    serving = ["node-a", "node-b"]
+    loss.joined("node-a")
+    assert listed[-1] == [held]
+    serving = ["node-b"]
+    loss.lost("node-a", "node node-a left the cluster")
+    await loss.stop()
+    assert not listed[-1][0].usable
+    count = len(listed)
+    loss.lost("node-b", "node node-b left the cluster")  # it holds none of them: no new listing
+    await loss.stop()
+    assert len(listed) == count
+    serving = None
+    loss.set_node_models([held])
+    assert listed[-1][0].reason == "it is held only on the own disk of node-a, and no cluster is configured"

@@ -9,7 +9,7 @@ worker's devices; a new worker is placed on the GPUs no job holds
 
 On a Ray cluster the GPUs are the nodes' (supervisor/workers/cluster_nodes.py):
 a node that leaves ends its workers with the reason, and their models are
-loaded again wherever there is room.
+loaded again wherever there is room (supervisor/workers/node_loss.py).
 
 What a load asks of a worker is worked out in supervisor/workers/launch_spec.py,
 how a request is queued on one in supervisor/workers/submit.py, and what the
@@ -32,7 +32,6 @@ from supervisor.errors import ApiError, DeviceBusy, ModelFailed, ModelNotFound
 from supervisor.generation import sampling
 from supervisor.models.draft import SpeculativePlan, plan_speculative
 from supervisor.models.gpu_place import DEFAULT_HEADROOM, GpuPlacement
-from supervisor.models.gpu_reading import device_node
 from supervisor.models.library import ModelEntry
 from supervisor.models.memfit import ContextDecision
 from supervisor.models.slots import SlotAsk, slot_ask
@@ -50,6 +49,7 @@ from supervisor.workers.gpu_room import (
     worker_devices,
 )
 from supervisor.workers.handle import WorkerHandle, WorkerState
+from supervisor.workers.node_loss import NodeLoss
 from supervisor.workers.poison import PoisonTracker
 from supervisor.workers.queue import Pending, WorkerGone
 from supervisor.workers.ray_launcher import RayLauncher, launcher_for
@@ -130,11 +130,12 @@ class WorkerPool:
         self.launcher = launcher_for(cfg.ray_address, log_dir)
         # On a cluster: its nodes' GPUs, in the lease and for placement.
         self.cluster: ClusterNodes | None = None
-        self._replacing: set[asyncio.Task[None]] = set()
-        # Models on nodes' own disks, as recorded (set_node_models).
-        self._node_models: list[ModelEntry] = []
+        # Nodes leaving and joining (supervisor/workers/node_loss.py).
+        self.node_loss = NodeLoss(self.handles, self._forget, self._signal, self.load,
+                                  lambda entries: self.models.library.set_node_models(entries),
+                                  lambda: self.cluster.serving() if self.cluster is not None else None)
         if isinstance(self.launcher, RayLauncher) and isinstance(bookings, NodeBook):
-            self.cluster = ClusterNodes(self.launcher, bookings, self._node_lost, on_joined=self._node_joined)
+            self.cluster = ClusterNodes(self.launcher, bookings, self.node_loss.lost, on_joined=self.node_loss.joined)
             gpus = GpuRoom(None, (), admission, gpus.headroom if gpus is not None else DEFAULT_HEADROOM,
                            nodes=self.cluster)
         self.room = Room(cfg, self.handles, self.fits, self._drop, self._changed, gpus=gpus,
@@ -314,9 +315,7 @@ class WorkerPool:
             await asyncio.gather(self._reaper, return_exceptions=True)
         if self.cluster is not None:
             await self.cluster.stop()
-        for task in self._replacing:
-            task.cancel()
-        await asyncio.gather(*self._replacing, return_exceptions=True)
+        await self.node_loss.stop()
         handles = list(self.handles.values())
         for key in list(self.handles):
             self._forget(key)
@@ -339,56 +338,8 @@ class WorkerPool:
 
     def set_node_models(self, entries: list[ModelEntry]) -> None:
         """The models held on nodes' own disks (the job runner's records:
-        supervisor/lab/node_files.py), listed by the library as usable while
-        a node that holds one is alive, else with the reason."""
-        self._node_models = entries
-        self._list_node_models()
-
-    def _list_node_models(self) -> None:
-        alive = set(self.cluster.serving()) if self.cluster is not None else set()
-        listed = []
-        for entry in self._node_models:
-            held = ", ".join(sorted(entry.nodes))
-            if self.cluster is None:
-                why = f"it is held only on the own disk of {held}, and no cluster is configured"
-            elif not alive & set(entry.nodes):
-                why = f"it is held only on the own disk of {held}, which is not in the cluster now"
-            else:
-                why = None
-            listed.append(entry if why is None or not entry.usable
-                          else msgspec.structs.replace(entry, usable=False, reason=why))
-        self.models.library.set_node_models(listed)
-
-    def _node_joined(self, node: str) -> None:
-        if any(node in e.nodes for e in self._node_models):
-            self._list_node_models()
-
-    def _node_lost(self, node: str, reason: str) -> None:
-        """A cluster node left: its workers end with the reason, and their
-        models are loaded again where there is room (a task the pool owns)."""
-        if any(node in e.nodes for e in self._node_models):
-            self._list_node_models()
-        task = asyncio.create_task(self._replace(node, reason), name=f"node-lost:{node}")
-        self._replacing.add(task)
-        task.add_done_callback(self._replaced)
-
-    def _replaced(self, task: asyncio.Task[None]) -> None:
-        self._replacing.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("placing the models of a lost node again failed", exc_info=task.exception())
-
-    async def _replace(self, node: str, reason: str) -> None:
-        keys = [k for k, h in self.handles.items() if any(device_node(d) == node for d in worker_devices(h))]
-        lost = [(k, h) for k in keys if (h := self._forget(k)) is not None]
-        self._signal()
-        await asyncio.gather(*(h.stop(reason, "node_lost") for _, h in lost))
-        for (model_id, embedding), _ in lost:
-            log.warning("%s%s: %s; loading it again where there is room", model_id,
-                        " (embedding)" if embedding else "", reason)
-            try:
-                await self.load(model_id, embedding)
-            except ApiError as exc:
-                log.warning("%s could not be loaded again after %s: %s", model_id, reason, exc.message)
+        supervisor/lab/node_files.py), listed with their nodes (node_loss.py)."""
+        self.node_loss.set_node_models(entries)
 
     def _check_admission(self, handle: WorkerHandle | None) -> None:
         """503 naming the holder when a job holds (or frees) a device of the
