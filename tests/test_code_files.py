@@ -29,7 +29,11 @@ from supervisor.responses.hosted.settings import HostedSettings
 from supervisor.responses.items import CodeInterpreterCallItem, CodeLogs
 from supervisor.responses.models import CreateRequest
 from supervisor.responses.objects import Usage, new_response
-from supervisor.sandbox.containers import ContainerError, ContainerPool
+from supervisor.sandbox.containers import (
+    MAX_SCANNED_ENTRIES,
+    ContainerError,
+    ContainerPool,
+)
 from supervisor.sandbox.files import copy_in, file_id, find, listing
 from supervisor.sandbox.runner import SandboxSpec
 from tests.sandbox_support import FAST, sandbox_python_or_skip
@@ -161,3 +165,16 @@ async def test_links_fifos_and_taken_names_are_never_followed(pool: ContainerPoo
     os.truncate(container.path / "kept.txt", 2 << 20)
     with pytest.raises(ContainerError):
         container.open("kept.txt", 1 << 20)
+
+
+def test_a_listing_stops_at_its_bound(tmp_path: Path) -> None:
+    pool = ContainerPool(tmp_path / "containers", SandboxSpec(limits=FAST))
+    try:
+        container = pool.create()
+        for k in range(MAX_SCANNED_ENTRIES + 50):
+            (container.path / f"f{k:05d}").write_bytes(b"")
+        files, truncated = listing(container)
+        assert truncated and len(files) == MAX_SCANNED_ENTRIES
+        assert len({f.id for f in files}) == len(files)
+    finally:
+        pool.close()

@@ -24,7 +24,9 @@ from typing import Any
 import httpx
 import pytest
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
-from openai.types.responses.response_code_interpreter_tool_call import ResponseCodeInterpreterToolCall
+from openai.types.responses.response_code_interpreter_tool_call import (
+    ResponseCodeInterpreterToolCall,
+)
 from pydantic import TypeAdapter
 
 from supervisor.models.demo import write_tiny_gguf
@@ -86,7 +88,7 @@ def _forced(srv: Server, **body: Any) -> dict[str, Any]:
 def _python_says(python: str, code: str) -> str:
     """What Python itself prints for ``code`` read from stdin, as the sandbox runs it."""
     env = {"PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}
-    done = subprocess.run([python, "-I", "-"], input=code.encode(), capture_output=True, env=env,
+    done = subprocess.run([python, "-I", "-"], check=False, input=code.encode(), capture_output=True, env=env,
                           cwd="/tmp", timeout=30)
     return (done.stdout + done.stderr).decode(errors="replace")
 
@@ -282,6 +284,9 @@ def test_off_by_default_and_named_when_the_sandbox_cannot_be_made(tmp_path: Any)
         off = _create(server, input="x", tools=[AUTO], tool_choice=forced)
         # Not insisted on, a tool that is off is not offered, and the request is served.
         served = _create(server, input="x", tools=[AUTO], max_output_tokens=4)
+        # No containers either: their files are a 404.
+        files = httpx.get(f"{server.base_url}/v1/containers/cntr_{'0' * 32}/files", timeout=30)
+    assert files.status_code == 404 and "code_interpreter is off" in files.json()["error"]["message"]
     assert served.status_code == 200, served.text
     assert [o["type"] for o in served.json()["output"]] == ["message"]
     missing = os.path.join(str(tmp_path), "no-python")

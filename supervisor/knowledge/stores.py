@@ -126,8 +126,8 @@ class StoreBook:
         now = int(self.clock())
         rec = StoreRecord(new_id(STORE_PREFIX), owner, name, now, now, metadata, model, expires_days)
         async with self.db.write() as conn:
-            await conn.execute("INSERT INTO vector_stores (id, owner, name, created_at, last_active_at, metadata, model,"
-                               " expires_days) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            await conn.execute("INSERT INTO vector_stores (id, owner, name, created_at, last_active_at, metadata,"
+                               " model, expires_days) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                                (rec.id, owner, name, now, now, json.dumps(metadata), model, expires_days))
         return rec
 
