@@ -178,3 +178,16 @@ def test_a_listing_stops_at_its_bound(tmp_path: Path) -> None:
         assert len({f.id for f in files}) == len(files)
     finally:
         pool.close()
+
+
+def test_a_copy_that_fails_leaves_no_part_behind(tmp_path: Path) -> None:
+    pool = ContainerPool(tmp_path / "containers", SandboxSpec(limits=FAST))
+    try:
+        container = pool.create()
+        unreadable = tmp_path / "a-folder"  # opening it to read fails after the copy was created
+        unreadable.mkdir()
+        with pytest.raises(OSError):
+            copy_in(container, [("x.txt", unreadable)], None)
+        assert not (container.path / "x.txt").exists() and container.copied_in == set()
+    finally:
+        pool.close()

@@ -148,6 +148,7 @@ def test_bad_file_ids_are_refused_before_anything_runs(setup: tuple[Server, str,
         (_tool("file-" + "0" * 24), "tools[0].container.file_ids[0]"),  # no such file
         (_tool(one.id, "file_nope"), "tools[0].container.file_ids[1]"),  # not an id
         (_tool(one.id, two.id), "tools[0].container.file_ids[1]"),  # two of one name
+        (_tool(one.id, one.id, "file-" + "0" * 24), "tools[0].container.file_ids[2]"),  # its own index
         (_tool(*[one.id] * 33), "tools[0].container.file_ids"),  # past the bound
         ({"type": "code_interpreter", "container": {"type": "auto", "file_ids": [one.id], "network_policy": {
             "type": "allowlist", "allowed_domains": ["pypi.org"]}}}, "tools[0].container.network_policy"),

@@ -99,11 +99,16 @@ def copy_in(container: Container, sources: list[tuple[str, Path]], owner_ids: tu
             if exc.errno == errno.ELOOP:
                 continue  # a link under that name: taken, as above
             raise
-        with os.fdopen(fd, "wb") as out, source.open("rb") as src:
-            while chunk := src.read(_COPY_CHUNK):
-                out.write(chunk)
-            if owner_ids is not None:
-                os.fchown(out.fileno(), *owner_ids)
+        try:
+            with os.fdopen(fd, "wb") as out, source.open("rb") as src:
+                while chunk := src.read(_COPY_CHUNK):
+                    out.write(chunk)
+                if owner_ids is not None:
+                    os.fchown(out.fileno(), *owner_ids)
+        except OSError:
+            # A part of a file (a full disk) would keep its name and never be copied again.
+            (container.path / name).unlink(missing_ok=True)
+            raise
         container.copied_in.add(name)
         copied.append(name)
     return copied

@@ -236,7 +236,6 @@ class CodeSession:
         item.outputs = [CodeLogs(o["logs"]) if o["type"] == "logs" else CodeImage(o["url"]) for o in outputs]
         item.status = call_status(run)
 
-
     async def _copy_inputs(self, container: Container) -> None:
         """Copy the request's files into the container once per container,
         under its lock (no run sees a half-copied file)."""
@@ -277,7 +276,7 @@ async def code_inputs(tools: list[Any], files: FileStore | None, owner: str | No
         return []
     i, tool = found[0]
     assert isinstance(tool.container, CodeInterpreterAuto)
-    ids = list(dict.fromkeys(tool.container.file_ids or []))
+    ids = tool.container.file_ids or []
     if ids and files is None:
         raise BadRequest(f"code_interpreter tool tools[{i}]: files are not available on this server",
                          param=f"tools[{i}].container.file_ids")
@@ -285,6 +284,8 @@ async def code_inputs(tools: list[Any], files: FileStore | None, owner: str | No
     total = 0
     for j, fid in enumerate(ids):
         assert files is not None
+        if fid in ids[:j]:
+            continue  # named twice: one file
         param = f"tools[{i}].container.file_ids[{j}]"
         try:
             rec = await files.get(checked_id(fid, FILE_PREFIX, param), owner)
