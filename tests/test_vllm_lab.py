@@ -32,7 +32,7 @@ VLLM_PYTHON = default_vllm_python()
 if not VLLM_PYTHON:
     pytest.skip("no vLLM environment (make install-vllm)", allow_module_level=True)
 
-from tests.tiny_hf import build_vllm_model  # noqa: E402
+from tests.tiny_hf import build_vllm_model
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-vllm"
@@ -113,11 +113,12 @@ def test_the_fits_kv_budget_wins_over_vllms_own_setting(srv: Server) -> None:
     _ready(srv)
     assert _environ(int(srv.worker(MODEL)["pid"])).get("VLLM_CPU_KVCACHE_SPACE") == "1"
     fit = httpx.get(f"{srv.base_url}/api/models/{MODEL}", timeout=10).json()["fit"]
-    assert fit["kv_bytes"] == N_CTX * 2 * 1024, fit  # 1 KiB a token, 2 sequences
+    # 1 KiB a token, 2 sequences, and the page of 128 tokens vLLM's block pool holds back.
+    assert fit["kv_bytes"] == (N_CTX * 2 + 128) * 1024, fit
     log = httpx.get(f"{srv.base_url}/api/models/{MODEL}/log", timeout=10).text
     found = re.findall(r"KV cache size: ([\d,]+) tokens", log)
     # 1 GiB would be 1,048,576 tokens of this model.
-    assert found and int(found[-1].replace(",", "")) == N_CTX * 2, log[-2000:]
+    assert found and int(found[-1].replace(",", "")) == N_CTX * 2 + 128, log[-2000:]
 
 
 def test_a_job_drains_and_evicts_the_vllm_worker(srv: Server) -> None:
@@ -134,7 +135,7 @@ def test_a_job_drains_and_evicts_the_vllm_worker(srv: Server) -> None:
     assert out.get("done") and not any("error" in e for e in out["events"]), out.get("events", [])[-3:]
     assert out["events"][-1]["usage"]["completion_tokens"] == 300
     # The worker and vLLM's engine processes are gone while the job holds the device.
-    gone, alive = psutil.wait_procs(tree, timeout=30)
+    _gone, alive = psutil.wait_procs(tree, timeout=30)
     assert not alive, alive
     refused = chat(srv, MODEL)
     assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1, refused.text
@@ -161,7 +162,7 @@ def test_a_sigkill_mid_stream_ends_the_stream_cleanly_and_restarts(srv: Server) 
     assert out["status"] == 200 and out.get("done"), out
     assert out["events"][-1]["error"]["code"] == "worker_crashed", out["events"][-1]
     # No vLLM engine process outlives its worker: the whole group is gone.
-    gone, alive = psutil.wait_procs(tree, timeout=30)
+    _gone, alive = psutil.wait_procs(tree, timeout=30)
     assert not alive and not _group(pgid), (alive, _group(pgid))
     restarted = srv.wait_worker(lambda w: w["state"] == "ready" and w["pid"] != pid, MODEL, timeout=240)
     assert restarted["restarts"] == worker["restarts"] + 1

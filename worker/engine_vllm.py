@@ -51,24 +51,42 @@ from typing import Any, Literal, TypeVar
 
 from formats.chat_templates import TemplateFileError, choose_template
 from worker.chat_template import ChatRenderer, TemplateError, override_template
-from worker.engine_api import Counters, Emit, EngineApi, EngineOptions, LoadError, Refused
+from worker.engine_api import (
+    Counters,
+    Emit,
+    EngineApi,
+    EngineOptions,
+    LoadError,
+    Refused,
+)
 from worker.images import ImageError, check_images, placements
 from worker.protocol import Delta, Done, Error, Generate, ModelFacts, Started
-from worker.vllm_params import MAX_LOGPROBS, ConstraintError, logprobs, lora_rank, max_lora_rank, sampling
-from worker.vllm_speculative import Unsupported, draft_kv_bytes_per_token, speculative_config
+from worker.vllm_params import (
+    MAX_LOGPROBS,
+    ConstraintError,
+    logprobs,
+    lora_rank,
+    max_lora_rank,
+    sampling,
+)
+from worker.vllm_speculative import (
+    Unsupported,
+    draft_kv_bytes_per_token,
+    speculative_config,
+)
 from worker.vllm_speculative import factory as draft_counter
 
 # vLLM spawns its engine core process; fork would copy our threads' state.
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
-from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
-from vllm.exceptions import VLLMClientError  # noqa: E402
-from vllm.inputs import TokensPrompt  # noqa: E402
-from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.platforms import current_platform  # noqa: E402
-from vllm.pooling_params import PoolingParams  # noqa: E402
-from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
-from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMClientError
+from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
+from vllm.platforms import current_platform
+from vllm.pooling_params import PoolingParams
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
 
 log = logging.getLogger("gpuvisor.worker")
 T = TypeVar("T")
@@ -162,14 +180,20 @@ class _Request:
 def kv_budget(vllm_config: Any, n_ctx: int, parallel: int) -> int:
     """Bytes of KV pages for ``parallel`` sequences of ``n_ctx`` tokens, from
     vLLM's own view of the model (layers, KV heads, head size, dtype), and of
-    its draft model's when one drafts (their pages share the one budget)."""
+    its draft model's when one drafts (their pages share the one budget).
+
+    Plus one page: vLLM's block pool holds one back for good (its null
+    block) and refuses to start unless a sequence of ``n_ctx`` tokens fits in
+    the rest, so an exact budget for one sequence failed every load with
+    ``parallel`` 1 (and left the last of several sequences a page short).
+    supervisor/models/hf_fit.py counts the same page."""
     model = vllm_config.model_config
     block = int(vllm_config.cache_config.block_size or 16)
     layers = model.get_num_layers(vllm_config.parallel_config)
     per_token = 2 * layers * model.get_num_kv_heads(vllm_config.parallel_config) * model.get_head_size()
     per_token_bytes = per_token * model.dtype.itemsize + draft_kv_bytes_per_token(vllm_config)
-    pages = -(-n_ctx // block) * block * max(1, parallel)
-    return int(per_token_bytes * pages)
+    pages = -(-n_ctx // block) * max(1, parallel) + 1
+    return int(per_token_bytes * block * pages)
 
 
 class VllmEngine:

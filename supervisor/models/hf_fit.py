@@ -13,7 +13,8 @@ the one that decides. The sizes follow vLLM's own accounting
   block_size)`` pages per sequence, a sliding-window layer
   ``ceil(min(window - 1 + max_num_batched_tokens, max_model_len) /
   block_size) + 1``; times ``max_num_seqs`` sequences, all of them at full
-  length at once;
+  length at once; plus one page of every layer, which vLLM's block pool
+  holds back for good (its null block);
 - activations: an upper estimate of one step of ``max_num_batched_tokens``
   (attention, MLP and logits rows), counted in f32;
 - a fixed reserve for the runtime (CUDA context and graphs on a GPU; torch
@@ -94,6 +95,12 @@ def kv_cache_bytes(info: HfInfo, max_model_len: int, opts: HfKvOptions, dtype: s
     return kv_bytes_per_seq(info, max_model_len, opts, dtype) * max(1, opts.max_num_seqs)
 
 
+def null_page_bytes(info: HfInfo, opts: HfKvOptions, dtype: str) -> int:
+    """The page of every layer that vLLM's block pool holds back for good (its
+    null block): vLLM starts only if a full-length sequence fits beside it."""
+    return opts.block_size * 2 * info.n_head_kv * info.head_dim * _LOAD_DTYPE_BYTES[dtype] * info.n_layer
+
+
 def activation_bytes(info: HfInfo, opts: HfKvOptions) -> int:
     """An upper estimate of one step's activations (f32): per batched token the
     residual stream, Q/K/V and the MLP's gate and up rows; plus the logits of
@@ -110,7 +117,7 @@ def hf_need(info: HfInfo, max_model_len: int, opts: HfKvOptions, reserve_bytes: 
     for model in (info, draft) if draft is not None else (info,):
         dtype = load_dtype(model)
         weights += weight_bytes(model, dtype)
-        kv += kv_cache_bytes(model, max_model_len, opts, dtype)
+        kv += kv_cache_bytes(model, max_model_len, opts, dtype) + null_page_bytes(model, opts, dtype)
         compute += activation_bytes(model, opts)
     return Need(weights, kv, compute, weights + kv + compute + reserve_bytes)
 
