@@ -142,6 +142,26 @@ async def test_an_answer_naming_a_written_file_cites_it(pool: ContainerPool,
     assert _answer(loop, "Nothing written is named here.")["output"][0]["content"][0]["annotations"] == []
 
 
+async def test_a_later_response_cites_what_earlier_calls_wrote(pool: ContainerPool,
+                                                               uploads: list[tuple[str, Path]]) -> None:
+    first = _loop(pool, uploads)
+    item = await _run(first, "open('report.csv', 'w').write('a,b')\n")
+    # The next turn of the conversation runs no code, and answers naming the file.
+    later = open_code(AUTO, [item], Containers(pool), None)
+    assert later is not None
+    await later.recall_written()
+    text = "The totals are in report.csv; cities.csv was yours."
+    annotations = _answer(ToolLoop(HostedSession(HostedSettings(), code=later)), text)[
+        "output"][0]["content"][0]["annotations"]
+    assert [(text[a["start_index"]:a["end_index"]], a["container_id"]) for a in annotations] == [
+        ("report.csv", item.container_id)]
+    # Another key's conversation holding the same call cites nothing of that container.
+    stranger = open_code(AUTO, [item], Containers(pool), "key-b")
+    assert stranger is not None
+    await stranger.recall_written()
+    assert stranger.written == {}
+
+
 async def test_links_fifos_and_taken_names_are_never_followed(pool: ContainerPool, tmp_path: Path,
                                                               uploads: list[tuple[str, Path]]) -> None:
     secret = tmp_path / "secret.txt"

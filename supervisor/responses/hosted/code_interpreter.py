@@ -7,8 +7,9 @@ the one the tool names (``container: "cntr_..."``), or with
 used while it lives, else a new one, made at the first call. Its logs (and
 images) become the ``code_interpreter_call`` item's outputs, which the
 model reads back. ``file_ids`` (uploads of the caller's key) are copied
-into the container before its first run here; an answer naming a file a
-run wrote cites it (``container_file_citation``). Off until an admin enables it (``code_interpreter``) and
+into the container before its first run here; an answer naming a file the
+code wrote there (in this response or an earlier one) cites it
+(``container_file_citation``). Off until an admin enables it (``code_interpreter``) and
 the sandbox works on this host; otherwise a request with the tool is a 400
 that says why.
 """
@@ -45,7 +46,7 @@ from supervisor.sandbox.containers import (
     ContainerError,
     ContainerPool,
 )
-from supervisor.sandbox.files import copy_in, file_id
+from supervisor.sandbox.files import copy_in, file_id, listing
 from supervisor.sandbox.init import WORK
 from supervisor.sandbox.outputs import call_outputs, call_status
 
@@ -71,6 +72,8 @@ _MEMORY_LIMITS_MIB = {"1g": 1024, "4g": 4096, "16g": 16384, "64g": 65536}
 # Files a request may copy into its container (their bytes together are
 # bounded by the pool's max_upload_bytes).
 MAX_INPUT_FILES = 32
+# The files an answer may cite: each is looked for in the answer's text.
+MAX_CITED_FILES = 256
 # What may stand before a file's name where an answer links it: the folder
 # the code sees, with or without the "sandbox:" scheme OpenAI's models write.
 _LINK_PREFIXES = (f"sandbox:{WORK}/", f"{WORK}/")
@@ -232,9 +235,26 @@ class CodeSession:
             item.outputs, item.status = [CodeLogs(f"[not run: {exc}]\n")], "failed"
             return
         self.written.update((f.name, container.id) for f in run.files)
+        while len(self.written) > MAX_CITED_FILES:  # the oldest go first (dicts keep their order)
+            del self.written[next(iter(self.written))]
         outputs = call_outputs(run, container, wall_s=limits.wall_s, max_image_bytes=MAX_IMAGE_BYTES)
         item.outputs = [CodeLogs(o["logs"]) if o["type"] == "logs" else CodeImage(o["url"]) for o in outputs]
         item.status = call_status(run)
+
+    async def recall_written(self) -> None:
+        """Know the files code wrote in the container this response reuses
+        (an earlier call's, or the one the tool names), so that an answer
+        naming one cites it too: the most recent MAX_CITED_FILES of them."""
+        cid = self.named or self.earlier
+        if cid is None:
+            return
+        try:
+            container = self.pool.get(cid, self.owner)
+        except ContainerError:
+            return  # expired, or another key's: a new one is made, with nothing to cite yet
+        files, _ = await asyncio.to_thread(listing, container)
+        ours = [f for f in files if f.source == "assistant"][-MAX_CITED_FILES:]
+        self.written.update((f.name, container.id) for f in ours)
 
     async def _copy_inputs(self, container: Container) -> None:
         """Copy the request's files into the container once per container,

@@ -269,6 +269,7 @@ async def open_session(valid: ValidRequest, history: list[Item], settings: Hoste
     session.code = open_code(tools, conversation, containers or Containers(), owner)
     if session.code is not None:
         session.code.inputs = await _code_inputs(tools, containers or Containers(), found, owner)
+        await session.code.recall_written()
     session.web = open_web(tools, conversation, settings)
     session.files = await open_files(tools, conversation, found, owner, valid.caller, list(valid.body.include or []))
     if session.web is not None and session.files is not None:
