@@ -38,6 +38,7 @@ from supervisor.appkeys import (
     CONFIG,
     DB,
     ENGINE_CHECK,
+    JOB_NODES,
     JOB_RUNNER,
     JOB_SETTINGS,
     JOB_STORE,
@@ -201,7 +202,7 @@ async def runner_ctx(app: web.Application) -> AsyncIterator[None]:
         heartbeat_timeout_s=cfg.job_heartbeat_timeout, stop_timeout_s=cfg.job_grace_s,
         retention_s=cfg.job_retention_days * 86400, extra_env=extra_env),
         # On a cluster, jobs whose devices are a node's run there.
-        nodes=launcher if isinstance(launcher := app[POOL].launcher, RayLauncher) else None,
+        nodes=app.get(JOB_NODES) or (launcher if isinstance(launcher := app[POOL].launcher, RayLauncher) else None),
         # Models downloaded into nodes' own caches: listed, and placed only where they are.
         on_node_models=app[POOL].set_node_models)
     app[JOB_STORE] = runner.store

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from supervisor.knowledge.service import Knowledge
     from supervisor.lab.busy import WaitLine
     from supervisor.lab.lease import GpuLease
+    from supervisor.lab.node_jobs import JobNodes
     from supervisor.lab.runner import JobRunner
     from supervisor.lab.store import JobStore
     from supervisor.models.library import ModelLibrary
@@ -40,6 +41,10 @@ JOB_STORE: web.AppKey[JobStore] = web.AppKey("job_store")
 JOB_RUNNER: web.AppKey[JobRunner] = web.AppKey("job_runner")
 JOB_SETTINGS: web.AppKey[JobSettings] = web.AppKey("job_settings")
 WAIT_LINE: web.AppKey[WaitLine] = web.AppKey("wait_line")
+# The cluster's nodes as the job runner sees them, when set before the app
+# starts; unset, they are the Ray launcher's (with ray_address) or none. Set
+# where node agents run in this process (a lab without Ray, the UI tests).
+JOB_NODES: web.AppKey[JobNodes] = web.AppKey("job_nodes")
 
 # HTTP services
 AUTH: web.AppKey[Auth] = web.AppKey("auth")

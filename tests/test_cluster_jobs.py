@@ -15,7 +15,7 @@ import os
 import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -38,6 +38,7 @@ from supervisor.models.demo import write_tiny_gguf
 from supervisor.models.devices import GpuReading
 from supervisor.models.entry import ModelEntry
 from supervisor.workers.node_agent import NodeAgent
+from tests.agent_nodes import AgentNodes
 from tests.fake_hub import FakeFile, FakeHub, FakeRepo
 from tests.jobsupport import (
     make_roots,
@@ -54,63 +55,6 @@ GIB = 1 << 30
 def _reading(node: str, index: int) -> GpuReading:
     return GpuReading(index=index, uuid=f"GPU-{node}-{index}", name="Sim", free_bytes=20 * GIB,
                       total_bytes=24 * GIB, node=node)
-
-
-@dataclass
-class AgentJob:
-    agent: NodeAgent
-    node: str
-    pid: int
-    lost: bool = False
-
-    async def read(self, wait_s: float) -> tuple[bytes, int | None]:
-        got = await self.agent.read_job(self.pid, wait_s)
-        if self.lost:
-            # A gone agent's answers never arrive, even one asked for before.
-            raise NodeJobLost(f"node {self.node} was lost while the job ran (its agent is gone)")
-        return got
-
-    def signal(self, sig: int) -> None:
-        if not self.lost:
-            self.agent._job(self.pid)  # a pid it no longer tends is never signalled
-            os.killpg(self.pid, sig)
-
-    async def read_log(self, offset: int, max_bytes: int) -> bytes:
-        return await self.agent.read_job_log(self.pid, offset, max_bytes)
-
-    async def log_tail(self) -> str:
-        return await self.agent.job_log_tail(self.pid)
-
-    async def cleanup(self) -> None:
-        await self.agent.cleanup_job(self.pid)
-
-
-@dataclass
-class AgentNodes:
-    agents: dict[str, NodeAgent]
-    started: list[AgentJob] = field(default_factory=list)
-
-    async def node_names(self) -> list[str]:
-        return list(self.agents)
-
-    async def read_model(self, node: str, path: str) -> bytes:
-        return await self.agents[node].read_model(path)
-
-    async def start_job(self, node: str, argv: list[str], env: dict[str, str], stdin_line: bytes,
-                        log_name: str) -> AgentJob:
-        agent = self.agents.get(node)
-        if agent is None:
-            raise OSError(f"node {node} is not in the cluster")
-        job = AgentJob(agent, node, await agent.start_job(argv, env, stdin_line, log_name))
-        self.started.append(job)
-        return job
-
-    def lose(self, job: AgentJob) -> None:
-        """The agent's process ends: its end of the job's stdin closes."""
-        stdin = job.agent._jobs[job.pid].proc.stdin
-        assert stdin is not None
-        stdin.close()
-        job.lost = True
 
 
 @dataclass

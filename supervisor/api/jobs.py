@@ -80,6 +80,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/jobs", submit_job)
     app.router.add_get("/api/jobs", list_jobs)
     job_estimate.add_routes(app)
+    # Before /api/jobs/{id}, which would take "nodes" as a job id.
+    app.router.add_get("/api/jobs/nodes", job_nodes)
     app.router.add_get("/api/jobs/{id}", get_job)
     app.router.add_get("/api/jobs/{id}/events", job_events)
     app.router.add_get("/api/jobs/{id}/log", job_log)
@@ -179,6 +181,18 @@ async def list_jobs(request: web.Request) -> web.Response:
     return json_response(
         {"object": "list", "data": [who.view(j) for j in page.jobs], "next_cursor": page.next_cursor}
     )
+
+
+async def job_nodes(request: web.Request) -> web.Response:
+    """The cluster nodes a job may name in ``node`` (the new-job form's choice):
+    the alive ones, each with the devices the lease books there (none for a
+    node without logical GPUs, which still runs jobs that book none)."""
+    alive = await request.app[JOB_RUNNER].alive_nodes("for the jobs that name one")
+    lease = request.app[LEASE]
+    data = [{"object": "job.node", "name": name,
+             "devices": [d for d in lease.devices if lease.device(d).node == name]}
+            for name in alive or []]
+    return json_response({"object": "list", "cluster": alive is not None, "data": data})
 
 
 async def get_job(request: web.Request) -> web.Response:

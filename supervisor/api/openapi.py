@@ -185,6 +185,8 @@ ROUTES: tuple[Operation, ...] = (
     Operation("POST", "/api/jobs/estimate", "A fine-tune's memory per device and whether it fits, before submit "
               "(a submission's body; `train` may be left out; nothing is queued)", "jobs",
               body=EstimateBody, errors=(400, 413)),
+    Operation("GET", "/api/jobs/nodes", "The cluster's alive nodes a job may name in `node` "
+              "(`cluster`: false and none without a cluster)", "jobs", errors=(503,)),
     Operation("GET", "/api/jobs/{id}", "One job", "jobs", errors=(404,), path_descriptions=_JOB_ID),
     Operation("DELETE", "/api/jobs/{id}", "Delete a finished job and its events", "jobs",
               errors=(404, 409), path_descriptions=_JOB_ID),

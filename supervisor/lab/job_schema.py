@@ -137,11 +137,26 @@ class Job(msgspec.Struct, kw_only=True):
     def finished(self) -> bool:
         return self.status in FINISHED
 
+    @property
+    def node(self) -> str | None:
+        """The cluster node the job runs on as its params name it: its
+        ``node``, or the node of the devices it names (``node-b/cuda:0``).
+        None for this machine, and for a count of devices, whose machine
+        the runner picks when the job starts (its stage names the devices)."""
+        named = self.params.get("node")
+        if isinstance(named, str):
+            return named
+        ids = self.params.get("gpu_ids")
+        nodes = {i.split("/", 1)[0] for i in ids if isinstance(i, str) and "/" in i} if isinstance(ids, list) else set()
+        # A job runs on one machine (the runner refuses devices of several): one node or none.
+        return nodes.pop() if len(nodes) == 1 else None
+
     def to_api(self, admin: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {"object": "job"}
         for name in self.__struct_fields__:
             if name not in _HIDDEN and (admin or name not in _ADMIN_ONLY):
                 out[name] = getattr(self, name)
+        out["node"] = self.node
         return out
 
 

@@ -174,26 +174,33 @@ class JobRunner:
     ) -> tuple[Job, bool]:
         node = params.on_node()
         if node is not None:
-            await self._check_node(node)
+            await self.check_node(node)
         job, created = await self.store.submit(kind, params_dict(params), priority, owner)
         if created:
             self.wake()
         return job, created
 
-    async def _check_node(self, node: str) -> None:
-        """A job's ``node`` must be an alive node of the cluster: a 400
-        naming it now, not a failed job later."""
+    async def alive_nodes(self, purpose: str) -> list[str] | None:
+        """The cluster's alive nodes, which a job may name; None without a
+        cluster. A 503 when the cluster does not answer (``purpose`` says
+        what they were listed for)."""
         if self._nodes is None:
-            raise BadRequest(f"node {node!r}: no cluster is configured (ray_address is unset), so jobs "
-                             "run on this machine only; leave node out", param="params.node")
+            return None
         try:
-            alive = await self._nodes.node_names()
+            return sorted(await self._nodes.node_names())
         except OSError as exc:  # ClusterError: the cluster did not answer
-            raise Unavailable(f"cannot list the cluster's nodes to check node {node!r}: {exc}",
-                              retry_after=5) from exc
+            raise Unavailable(f"cannot list the cluster's nodes {purpose}: {exc}", retry_after=5) from exc
+
+    async def check_node(self, node: str, param: str = "params.node") -> None:
+        """A job's ``node`` must be an alive node of the cluster: a 400
+        naming it (and ``param``) now, not a failed job later."""
+        alive = await self.alive_nodes(f"to check node {node!r}")
+        if alive is None:
+            raise BadRequest(f"node {node!r}: no cluster is configured (ray_address is unset), so jobs "
+                             "run on this machine only; leave node out", param=param)
         if node not in alive:
             raise BadRequest(f"node {node!r} is not an alive node of the cluster (alive: "
-                             f"{', '.join(sorted(alive)) or 'none'})", param="params.node",
+                             f"{', '.join(alive) or 'none'})", param=param,
                              code="node_not_found")
 
     async def cancel(self, job_id: str, save: bool = False) -> Job:

@@ -159,6 +159,16 @@ class Field {
       .map((it) => h('option', { value: it.value, label: it.label || null })));
   }
 
+  // A fixed list of choices ([{value, label}]) in a select, in place of the
+  // text input; an empty value sends nothing, as an empty text field does.
+  setOptions(items, help) {
+    const select = h('select', { id: this.id, name: this.name, 'aria-describedby': this.input.getAttribute('aria-describedby') },
+      items.map((it) => h('option', { value: it.value, text: it.label })));
+    this.input.replaceWith(select);
+    this.input = select;
+    if (help) this.el.querySelector('.field-help').textContent = help;
+  }
+
   setValue(value) {
     if (this.kind === 'boolean') this.input.checked = Boolean(value);
     else this.input.value = value ?? '';

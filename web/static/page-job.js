@@ -325,6 +325,8 @@ export function mount(root, [jobId]) {
         h('dt', { text: 'Started' }), h('dd', { text: formatTime(job.started_at) }),
         FINISHED.has(job.status) ? [h('dt', { text: 'Finished' }), h('dd', { text: formatTime(job.finished_at) })] : null,
         durationFacts(),
+        // The cluster node it names (or its devices do); none: this machine.
+        job.node ? [h('dt', { text: FINISHED.has(job.status) ? 'Ran on' : 'Runs on' }), h('dd', { class: 'job-node', text: `node ${job.node}` })] : null,
         h('dt', { text: 'Attempt' }), h('dd', { text: String(job.attempt) }),
         h('dt', { text: 'Priority' }), h('dd', { text: String(job.priority) }),
         job.exit_code !== null ? [h('dt', { text: 'Exit code' }), h('dd', { text: String(job.exit_code) })] : null));

@@ -130,6 +130,21 @@ function datasetUpload(form) {
   };
 }
 
+// A kind's ``node`` (the kinds that book no device): a select of the
+// cluster's alive nodes and "this machine" (nothing sent). Hidden without a
+// cluster, where the server refuses any node.
+function nodeChoice(field, clusterNodes) {
+  if (!field) return;
+  field.el.hidden = true;
+  clusterNodes.then((nodes) => {
+    if (!nodes) return;
+    const gpus = (n) => (n.devices.length ? `${n.devices.length} GPU${n.devices.length === 1 ? '' : 's'}` : 'no GPU');
+    field.setOptions([{ value: '', label: 'this machine' }, ...nodes.map((n) => ({ value: n.name, label: `${n.name} · ${gpus(n)}` }))],
+      'Where the job runs: this machine, or a node of the cluster (it books no GPU there; paths are the shared directories).');
+    field.el.hidden = false;
+  });
+}
+
 function submitPanel(kinds, onCreated, query) {
   const host = h('div');
   // Lab kinds in their usual order; test kinds (sleep) only when asked for.
@@ -141,6 +156,8 @@ function submitPanel(kinds, onCreated, query) {
   const choices = loadChoices();
   // Without a GPU a count of GPUs, or which ones, is nothing to choose.
   const noGpu = leaseDevices().then(cpuOnly);
+  // The cluster's alive nodes, for the kinds that may name one; null: no cluster.
+  const clusterNodes = getJson('api/jobs/nodes').then((b) => (b.cluster ? b.data : null)).catch(() => null);
 
   function show(kind, prefill = {}) {
     current = kind;
@@ -174,6 +191,7 @@ function submitPanel(kinds, onCreated, query) {
         if (f) f.el.hidden = true;
       }
     });
+    nodeChoice(form.field('node'), clusterNodes);
     const upload = kind.kind === 'dataset' ? datasetUpload(form) : null;
     if (upload) form.el.prepend(upload.el);
     const noticeHost = h('div', { class: 'kind-notice' });
@@ -185,6 +203,9 @@ function submitPanel(kinds, onCreated, query) {
     showTrain();
     const renameHost = h('div');
     form.el.querySelector('.actions').before(renameHost);
+    // In sight above the button, not under "More options": where the job runs.
+    const nodeEl = form.field('node')?.el;
+    if (nodeEl) form.el.querySelector('.grid').append(nodeEl);
     // What the fine-tune needs per GPU, asked again as the settings change.
     // Above "More options", in sight of the fields first filled in.
     if (kind.kind === 'finetune' && kind.available !== false) (form.moreEl || renameHost).before(attachEstimate(form));

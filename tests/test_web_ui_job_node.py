@@ -1,0 +1,147 @@
+"""The new-job form's Node choice and the job page's node, in headless
+Chromium against a real gpuvisor in this process whose cluster is two node
+agents in this process too (tests/agent_nodes.py: the runner's JobNodes
+without Ray). A person picks a node, submits a quantize, and the job runs
+there; without a cluster the form offers no node."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from supervisor.app import build_app
+from supervisor.appkeys import JOB_NODES, LEASE
+from supervisor.config import load_config
+from supervisor.models.devices import GpuReading
+from supervisor.service.serving import Service
+from supervisor.service.systemd import Notifier
+from supervisor.workers.node_agent import NodeAgent
+from tests.agent_nodes import AgentNodes
+from tests.browser import new_page
+from tests.server import poll_until, short_tempdir
+
+pytestmark = pytest.mark.timeout(180)
+GIB = 1 << 30
+
+
+@contextmanager
+def served(tiny_model_path: Path, nodes: AgentNodes | None) -> Iterator[tuple[str, Any]]:
+    """A whole gpuvisor app served on loopback from a thread of its own (its
+    base URL and app); ``nodes`` is its cluster as the job runner sees it."""
+    state = short_tempdir("gvs")
+    models = state / "models"
+    models.mkdir()
+    # Two models, so that none is preloaded: no worker is needed here.
+    for name in ("tiny.gguf", "tiny-b.gguf"):
+        (models / name).symlink_to(tiny_model_path)
+    cfg = load_config({"state_dir": str(state), "models_dir": str(models)},
+                      environ={"GPUVISOR_PORT": "0", "OMP_NUM_THREADS": "1"})
+    app = build_app(cfg)
+    if nodes is not None:
+        app[JOB_NODES] = nodes
+    service = Service(cfg, app, Notifier(None))
+    loop = asyncio.new_event_loop()
+    sock = socket.create_server(("127.0.0.1", 0))
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    thread = threading.Thread(target=loop.run_until_complete, args=(service.run(sock),), daemon=True)
+    thread.start()
+    try:
+        poll_until(lambda: _healthy(base), bool, timeout=60)
+        yield base, (app, loop)
+    finally:
+        loop.call_soon_threadsafe(service.stopping.set)
+        thread.join(60)
+        assert not thread.is_alive(), "the app did not stop"
+        loop.close()
+        sock.close()
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/healthz", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _book_gpus(served_app: Any, node: str, count: int) -> None:
+    """The node's GPUs as its agent's reading gives them to the lease (what
+    the cluster watch does with Ray), so the choice can say what it has."""
+    app, loop = served_app
+
+    async def book() -> None:
+        app[LEASE].set_node(node, [GpuReading(index=i, uuid=f"GPU-{node}-{i}", name="Sim", free_bytes=20 * GIB,
+                                              total_bytes=24 * GIB, node=node) for i in range(count)])
+
+    asyncio.run_coroutine_threadsafe(book(), loop).result(10)
+
+
+def _job(base: str, job_id: str) -> dict[str, Any]:
+    body: dict[str, Any] = httpx.get(f"{base}/api/jobs/{job_id}", timeout=10).json()
+    return body
+
+
+def test_a_person_runs_a_quantize_on_a_node_they_pick(browser: Any, tiny_model_path: Path) -> None:
+    nodes = AgentNodes({"node-b": NodeAgent(str(short_tempdir("gvj"))),
+                        "node-c": NodeAgent(str(short_tempdir("gvj")))})
+    with served(tiny_model_path, nodes) as (base, served_app):
+        _book_gpus(served_app, "node-b", 2)
+        listed = httpx.get(f"{base}/api/jobs/nodes", timeout=10).json()
+        assert listed["cluster"] is True
+        assert [(n["name"], n["devices"]) for n in listed["data"]] == [
+            ("node-b", ["node-b/cuda:0", "node-b/cuda:1"]), ("node-c", [])]
+        context, pg, watch = new_page(browser, base)
+        try:
+            pg.goto(f"{base}/#/jobs?new=quantize")
+            form = pg.locator("form#submit-quantize")
+            node = form.locator('[data-field="node"]')
+            choice = node.locator("select")
+            choice.wait_for()
+            assert node.locator("label").inner_text().strip() == "Node"
+            assert [o.strip() for o in choice.locator("option").all_inner_texts()] == [
+                "this machine", "node-b · 2 GPUs", "node-c · no GPU"]
+            form.locator('[data-field="model"] input').fill("tiny")
+            form.locator('[data-field="type"] select').select_option("Q8_0")
+            choice.select_option("node-c")
+            form.get_by_role("button", name="Submit quantize job").click()
+            pg.wait_for_url("**/#/jobs/job_*")
+            job_id = pg.url.rsplit("/", 1)[1]
+            assert _job(base, job_id)["params"]["node"] == "node-c"
+            done = poll_until(lambda: _job(base, job_id), lambda j: j["status"] not in ("queued", "running"),
+                              timeout=120)
+            assert done["status"] == "succeeded", done.get("error")
+            assert done["node"] == "node-c"
+            # Started by node-c's agent, not here and not on node-b.
+            assert [j.node for j in nodes.started] == ["node-c"]
+            # The job page says where it ran, once it shows the job finished.
+            ran_on = pg.locator("dl.facts dt", has_text="Ran on")
+            ran_on.wait_for(timeout=30_000)
+            assert pg.locator("dd.job-node").inner_text() == "node node-c"
+            watch.check()
+        finally:
+            context.close()
+
+
+def test_without_a_cluster_the_form_offers_no_node(browser: Any, tiny_model_path: Path) -> None:
+    with served(tiny_model_path, None) as (base, _):
+        assert httpx.get(f"{base}/api/jobs/nodes", timeout=10).json() == {
+            "object": "list", "cluster": False, "data": []}
+        context, pg, watch = new_page(browser, base)
+        try:
+            pg.goto(f"{base}/#/jobs?new=quantize")
+            form = pg.locator("form#submit-quantize")
+            form.locator('[data-field="model"] input').wait_for()
+            # The answer that keeps it hidden has come (the list of nodes), and it stayed hidden.
+            pg.wait_for_load_state("networkidle")
+            assert form.locator('[data-field="node"]').is_hidden()
+            assert not form.get_by_label("Node").is_visible()
+            watch.check()
+        finally:
+            context.close()
