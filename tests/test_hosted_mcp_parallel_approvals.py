@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -23,7 +22,6 @@ from pydantic import TypeAdapter
 
 from supervisor.errors import BadRequest
 from supervisor.generation.pieces import ToolCall
-from supervisor.models.demo import write_tiny_gguf
 from supervisor.responses.hosted.approvals import approved_calls
 from supervisor.responses.hosted.mcp_client import McpServer
 from supervisor.responses.hosted.session import HostedSession, ServerTools
@@ -36,8 +34,8 @@ from supervisor.responses.items import (
     MessageItem,
     encode_item,
 )
-from tests.mcp_support import mcp_server
-from tests.server import Server, running, short_tempdir
+from tests.server import Server
+from tests.test_hosted_mcp import mcp_url, srv  # noqa: F401  (the module's fixtures)
 
 pytestmark = pytest.mark.timeout(300)
 EVENT: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
@@ -45,22 +43,6 @@ ITEM: TypeAdapter[Any] = TypeAdapter(ResponseItem)
 # The random model wrote two or more whole calls in 33 of 40 tries (measured); tries to see some.
 TRIES = 16
 TOOL_INFO = McpToolInfo(name="count", input_schema={"type": "object", "properties": {}})
-
-
-@pytest.fixture(scope="module")
-def mcp_url() -> Iterator[str]:
-    with mcp_server() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def srv(mcp_url: str) -> Iterator[Server]:
-    models = short_tempdir("gvm")
-    write_tiny_gguf(models / "tiny.gguf", n_ctx=2048)
-    env = {"GPUVISOR_N_CTX": "2048", "GPUVISOR_MCP_ALLOWED_URLS": mcp_url, "GPUVISOR_HOSTED_MAX_ITERATIONS": "2",
-           "GPUVISOR_HOSTED_CALL_TIMEOUT_S": "4"}
-    with running(Server(models, env=env, model="tiny")) as server:
-        yield server
 
 
 def _tool(url: str) -> dict[str, Any]:
