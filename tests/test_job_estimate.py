@@ -22,6 +22,7 @@ from supervisor.api.jobs import JobSettings, add_routes
 from supervisor.appkeys import CONFIG, JOB_SETTINGS, LEASE
 from supervisor.config import Config
 from supervisor.lab.lease import GpuLease, cpu_device
+from supervisor.models.devices import GpuReading
 from tests.jobsupport import make_roots
 from tests.test_gpu_routes import gpu_lab
 from tests.test_jobs_routes import render_errors
@@ -200,3 +201,64 @@ async def test_without_a_gpu_ram_and_float32(tmp_path: Path) -> None:
         status, repo = await post(http, base, {"kind": "finetune", "params": {"model": "acme/not-pulled"}})
         assert status == 200 and repo["estimate"] is None
         assert "not in the Hugging Face cache" in repo["reason"]
+
+
+def _node_gpu(node: str, index: int, free_mib: int) -> GpuReading:
+    return GpuReading(index=index, uuid=f"GPU-{node}-{index}", name="Sim", free_bytes=free_mib << 20,
+                      total_bytes=24576 << 20, node=node)
+
+
+async def test_a_nodes_devices_are_judged_by_that_nodes_readings(tmp_path: Path) -> None:
+    async with gpu_lab(tmp_path) as (runner, base), aiohttp.ClientSession() as http:
+        write_model(tmp_path / "models" / "tiny")
+        # This machine's GPUs show 20000 and 9000 MiB free; node-b's the other way round and
+        # with less, so a reading taken here by index would give other numbers.
+        runner.lease.set_node("node-b", [_node_gpu("node-b", 0, 3000), _node_gpu("node-b", 1, 22000)])
+        runner.lease.set_node("node-c", [], ram=(32768 << 20, 65536 << 20))
+
+        status, named = await post(http, base, finetune(gpu_ids=["node-b/cuda:1"], max_seq_len=256))
+        assert status == 200, named
+        (gpu,) = named["devices"]
+        assert gpu["id"] == "node-b/cuda:1" and gpu["free_bytes"] == 22000 << 20
+        assert named["node"] == "node-b" and named["fits"] is True and named["dtype_bytes"] == 2
+
+        # A count on a node: its GPUs, each with its own reading.
+        status, count = await post(http, base, {**finetune(gpus=2, max_seq_len=256), "node": "node-b"})
+        assert status == 200, count
+        free = {d["id"]: d["free_bytes"] for d in count["devices"]}
+        assert free == {"node-b/cuda:0": 3000 << 20, "node-b/cuda:1": 22000 << 20}
+        assert count["world_size"] == 2 and count["node"] == "node-b"
+
+        # Too big for node-b's 3000 MiB GPU (its headroom counted), not for its other one.
+        big = {"batch_size": 128, "max_seq_len": 4096}
+        need = expected(128, 4096, 16, True, 2, world=1)["total_bytes"] + (512 << 20)
+        assert 3000 << 20 < need < 22000 << 20
+        _, short = await post(http, base, {**finetune(gpus=1, **big), "node": "node-b"})
+        assert short["devices"][0]["id"] == "node-b/cuda:0" and short["fits"] is False
+        assert "does not fit in the free memory of node-b/cuda:0" in short["message"]
+        _, roomy = await post(http, base, finetune(gpu_ids=["node-b/cuda:1"], **big))
+        assert roomy["fits"] is True
+
+        # A node without a GPU: its RAM, float32, and the 4-bit base refused as on a CPU.
+        status, ram = await post(http, base, {**finetune(max_seq_len=128), "node": "node-c"})
+        assert status == 200, ram
+        (cpu,) = ram["devices"]
+        assert cpu["id"] == "node-c/cpu" and cpu["free_bytes"] == 32768 << 20 and cpu["total_bytes"] == 65536 << 20
+        assert ram["dtype"] == "float32" and ram["fits"] is True
+        assert "needs a CUDA GPU" in ram["alternatives"]["load_in_4bit"]["note"]
+
+
+async def test_an_unknown_node_or_one_too_small_is_a_400_naming_it(tmp_path: Path) -> None:
+    async with gpu_lab(tmp_path) as (runner, base), aiohttp.ClientSession() as http:
+        write_model(tmp_path / "models" / "tiny")
+        runner.lease.set_node("node-b", [_node_gpu("node-b", 0, 3000)])
+        status, answer = await post(http, base, {**finetune(), "node": "node-x"})
+        assert status == 400, answer
+        error = answer["error"]
+        assert error["param"] == "node" and error["code"] == "node_not_found"
+        assert "node-x" in error["message"] and "node-b" in error["message"]
+        status, answer = await post(http, base, {**finetune(gpus=2), "node": "node-b"})
+        assert status == 400 and answer["error"]["param"] == "params.gpus"
+        assert "node node-b has 1" in answer["error"]["message"]
+        status, answer = await post(http, base, {**finetune(gpu_ids=["cuda:0"]), "node": "node-b"})
+        assert status == 400 and answer["error"]["param"] == "params.gpu_ids"

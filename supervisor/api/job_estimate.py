@@ -12,6 +12,12 @@ book now (the lease's order), as the driver reports it; on a machine
 without a GPU, against the RAM available. Besides the estimate for the
 params given, it answers what gradient checkpointing and a 4-bit base would
 change, so the form can say what each setting costs.
+
+With a cluster, a node's devices (named in ``gpu_ids``, or a count taken on
+the machine the runner would move it to) are judged by the memory that
+node's agent last read (the lease's node readings), never by this
+machine's GPU of the same index. ``node`` in the body judges a count on
+that node's devices; a node the lease has no devices of is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from supervisor.api.io import decode_body, json_response
 from supervisor.appkeys import JOB_SETTINGS, LEASE
 from supervisor.errors import BadRequest, param_error
 from supervisor.lab.lease import CPU, GpuLease
+from supervisor.lab.node_exec import job_node
 from supervisor.models.devices import DeviceReadError, GpuReading
 
 ESTIMATE_PATH = "/api/jobs/estimate"
@@ -49,6 +56,9 @@ class EstimateBody(msgspec.Struct, forbid_unknown_fields=True):
     params: dict[str, Any] = {}
     # Accepted so a submission's body can be sent as it is; it changes nothing here.
     priority: int = 0
+    # A cluster node to judge the fit on: a count of GPUs is taken from its
+    # devices, and named ones must be its. None: the devices the job would get.
+    node: str | None = None
 
 
 def add_routes(app: web.Application) -> None:
@@ -64,14 +74,35 @@ def _validated(body: EstimateBody, request: web.Request) -> tuple[FinetuneParams
     has_data = "train" in body.params
     raw = body.params if has_data else {**body.params, "train": ""}
     lease = request.app[LEASE]
+    available = lease.preferred() if body.node is None else _node_devices(lease, body.node)
     try:
         params = decode_params("finetune", raw, include_test=ctx.test_kinds)
         assert isinstance(params, FinetuneParams)
         params.resolve(ctx, data=has_data)
-        devices = params.devices(lease.preferred())
+        if body.node is not None and params.gpu_ids is None and params.gpus > len(available):
+            raise ParamError(f"gpus: {params.gpus} asked, node {body.node} has {len(available)}",
+                             param="params.gpus")
+        devices = params.devices(available)
     except ParamError as exc:
         raise param_error(exc) from exc
+    if body.node is None and params.gpu_ids is None and lease.jobs_on_nodes:
+        try:
+            # Where the runner takes a count this machine cannot give: a node that has it.
+            devices = lease.on_one_machine(devices)
+        except ValueError as exc:
+            raise BadRequest(f"gpus: {exc}", param="params.gpus") from exc
     return params, devices
+
+
+def _node_devices(lease: GpuLease, node: str) -> list[str]:
+    """The node's devices in the order a count takes them; a 400 naming the
+    node when the lease has none of it (not alive, or not in the cluster)."""
+    devices = [d for d in lease.preferred() if lease.device(d).node == node]
+    if not devices:
+        raise BadRequest(f"node {node!r} is not a cluster node with devices in the lease "
+                         f"(nodes: {', '.join(sorted(lease.nodes())) or 'none'})",
+                         param="node", code="node_not_found")
+    return devices
 
 
 def _model_dir(value: str) -> tuple[Path | None, str | None]:
@@ -109,7 +140,9 @@ def _estimates(model_dir: Path, params: FinetuneParams, dtype_bytes: int,
 
 
 async def _readings(lease: GpuLease, devices: list[str]) -> tuple[list[GpuReading], str | None]:
-    if lease.settler is None or not lease.gpu_indices(devices):
+    """This machine's GPUs read now (the nodes' come from the lease's node readings)."""
+    here = [d for d in devices if not lease.device(d).node]
+    if lease.settler is None or not lease.gpu_indices(here):
         return [], None
     try:
         return await lease.settler.read(), None
@@ -125,9 +158,14 @@ def _device_fits(lease: GpuLease, devices: list[str], readings: list[GpuReading]
     for device_id in devices:
         free: int | None
         total: int | None
+        device = lease.device(device_id)
         if device_id == CPU:
             ram = psutil.virtual_memory()
             free, total, headroom = int(ram.available), int(ram.total), CPU_HEADROOM_BYTES
+        elif device.node:
+            # A node's GPU (or RAM, for node/cpu) as its agent last read it.
+            free, total = lease.node_memory(device_id) or (None, None)
+            headroom = GPU_HEADROOM_BYTES if device.index is not None else CPU_HEADROOM_BYTES
         else:
             index = lease.device(device_id).index
             reading = by_index.get(index) if index is not None else None
@@ -162,7 +200,7 @@ async def estimate_job(request: web.Request) -> web.Response:
     body = await decode_body(request, EstimateBody)
     params, devices = _validated(body, request)
     lease = request.app[LEASE]
-    gpu = any(d != CPU for d in devices)
+    gpu = any(lease.device(d).index is not None for d in devices)
     dtype, dtype_bytes = _dtype(params, gpu)
     world = len(devices)
     model_dir, reason = await asyncio.to_thread(_model_dir, params.model)
@@ -180,7 +218,8 @@ async def estimate_job(request: web.Request) -> web.Response:
     fits = _device_fits(lease, devices, readings, current.total_bytes if current else None)
     verdict, message = _verdict(fits, memory_error) if current else (None, reason or "no estimate")
     try:
-        check_4bit_machine(devices)
+        # A node's RAM device trains on the CPU as this machine's cpu does.
+        check_4bit_machine([d if lease.device(d).index is not None else CPU for d in devices])
         four_bit_note = None
     except ParamError as exc:
         four_bit_note = exc.message
@@ -189,6 +228,8 @@ async def estimate_job(request: web.Request) -> web.Response:
         "model": params.model,
         "dtype": dtype, "dtype_bytes": dtype_bytes,
         "devices": fits, "world_size": world,
+        # The cluster node those devices are on; None for this machine.
+        "node": job_node(devices) or None,
         "estimate": current.as_dict() if current else None,
         "fits": verdict, "message": message, "reason": reason, "memory_error": memory_error,
         # The same params with one memory saver flipped: what that setting costs.

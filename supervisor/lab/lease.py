@@ -215,6 +215,19 @@ class GpuLease:
             del self._workers[key]
         return holders
 
+    def node_memory(self, device_id: str) -> tuple[int, int] | None:
+        """A cluster node's device's (free, total) bytes as its agent last read
+        them: its GPU's, or the node's RAM for ``node/cpu``. None for this
+        machine's devices (read them with the settler) and before a reading."""
+        dev = self._devices[device_id]
+        if not dev.node:
+            return None
+        if dev.index is None:
+            return self._node_ram.get(dev.node)
+        found = (r for r in self._node_readings.get(dev.node, ()) if r.device_id == device_id)
+        reading = next(found, None)
+        return None if reading is None else (reading.free_bytes, reading.total_bytes)
+
     def nodes(self) -> list[str]:
         """The cluster nodes whose devices the lease has."""
         return list(self._node_readings)
