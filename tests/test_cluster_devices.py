@@ -6,6 +6,7 @@ watch's join and leave (tests/test_ray_cluster.py runs them on a real cluster).
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from supervisor.models.placement import GPU_RUNTIME_RESERVE, plan_load
 from supervisor.models.slots import SlotAsk
 from supervisor.workers.cluster_nodes import ClusterNodes, node_readings
 from supervisor.workers.gpu_room import GpuRoom
+from supervisor.workers.node_agent import NodeAgent, node_gpu_source
 from supervisor.workers.node_loss import NodeLoss
 from supervisor.workers.ray_launcher import ClusterError, ClusterNode, _name_for
 from supervisor.workers.room import Room
@@ -332,3 +334,76 @@ async def test_a_model_on_a_nodes_own_disk_is_usable_while_a_node_that_holds_it_
     serving = None
     loss.set_node_models([held])
     assert listed[-1][0].reason == "it is held only on the own disk of node-a, and no cluster is configured"
+
+
+# ---------------------------------------------------------------- AMD GPUs on a node
+
+GPU_FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
+
+
+def _fake_tool(bindir: Path, name: str, answers: dict[str, str]) -> None:
+    """A tool on PATH printing a fixture (tests/fixtures/gpu: the shapes the
+    real one prints) chosen by its first argument ("" for any other)."""
+    table = {arg: str(GPU_FIXTURES / fixture) for arg, fixture in answers.items()}
+    tool = bindir / name
+    tool.write_text(f"#!{sys.executable}\nimport sys\ntable = {table!r}\n"
+                    "arg = sys.argv[1] if len(sys.argv) > 1 else ''\n"
+                    "sys.stdout.write(open(table.get(arg, table[''])).read())\n")
+    tool.chmod(0o755)
+
+
+@pytest.fixture
+def node_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The node's PATH, holding only the fake tools (no nvidia-smi), and the
+    empty visible-device lists Ray gives an actor that books no GPU."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    monkeypatch.setenv("PATH", str(bindir))
+    for name in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        monkeypatch.setenv(name, "")
+    return bindir
+
+
+class _AgentCluster:
+    """One alive node whose agent runs in this process: the watch gets the agent's own reading."""
+
+    def __init__(self, agent: NodeAgent, gpus: int) -> None:
+        self.agent = agent
+        self.gpus = gpus
+
+    async def alive_nodes(self) -> list[ClusterNode]:
+        return [ClusterNode("id-amd", "node-amd", self.gpus)]
+
+    async def read_node(self, node_id: str) -> dict[str, Any]:
+        return await self.agent.read_memory()
+
+
+async def test_a_node_with_amd_gpus_joins_the_lease_with_them(node_path: Path, tmp_path: Path) -> None:
+    _fake_tool(node_path, "amd-smi", {"static": "amd_smi_static_asic.json", "": "amd_smi_metric_mem.json"})
+    lease = GpuLease([cpu_device()])
+    agent = NodeAgent(str(tmp_path / "agent"))
+    nodes = ClusterNodes(_AgentCluster(agent, gpus=2), lease, lambda _n, _why: None)  # type: ignore[arg-type]
+    await nodes.refresh()
+    assert lease.devices == ["cpu", "node-amd/cuda:0", "node-amd/cuda:1"]
+    assert lease.device("node-amd/cuda:1").name == "AMD Instinct MI300X"
+    assert lease.node_memory("node-amd/cuda:1") == (114672 * MIB, 196592 * MIB)
+    snap = {d["id"]: d for d in lease.snapshot()["devices"]}
+    assert snap["node-amd/cuda:0"]["memory"] == {"free_mib": 196309, "total_mib": 196592}
+    assert snap["node-amd/cuda:0"]["node"] == "node-amd"
+    assert nodes.ram == {}  # GPUs, not the node's RAM
+
+
+async def test_a_node_agent_reads_rocm_smi_and_without_a_gpu_tool_its_ram(node_path: Path, tmp_path: Path) -> None:
+    _fake_tool(node_path, "rocm-smi", {"": "rocm_smi_meminfo.json"})
+    got = await NodeAgent(str(tmp_path / "agent")).read_memory()
+    assert [(g[0], g[2], g[4]) for g in got["gpus"]] == [
+        (0, "Radeon RX 7900 XT", 21458059264), (1, "0x15bf", 4294967296)]
+    assert got["gpus"][0][3] == 21458059264 - 27856896
+    # No tool and no amdgpu card: no GPU, and the node offers its RAM.
+    (node_path / "rocm-smi").unlink()
+    bare = NodeAgent(str(tmp_path / "bare"), gpus=node_gpu_source(drm=tmp_path / "no-drm"))
+    got = await bare.read_memory()
+    assert got["gpus"] == [] and got["ram"][1] > 0
+    lease = GpuLease([cpu_device()])
+    await ClusterNodes(_AgentCluster(bare, gpus=1), lease, lambda _n, _why: None).refresh()  # type: ignore[arg-type]
+    assert lease.devices == ["cpu", "node-amd/cpu"]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
+from pathlib import Path
 
 import pytest
 
@@ -215,3 +217,26 @@ async def test_detect_falls_back_to_cpu() -> None:
     assert [d.id for d in await detect_devices(command=["false"])] == [CPU]
     assert [d.id for d in await detect_devices(command=["/nonexistent-tool-x"])] == [CPU]
     assert [d.id for d in await detect_devices(["cuda:1"])] == ["cuda:1"]
+
+
+async def test_detect_says_why_it_fell_back_to_cpu(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    def said(level: int) -> list[str]:
+        out = [r.getMessage() for r in caplog.records if r.name == "gpuvisor.lease" and r.levelno == level]
+        caplog.clear()
+        return out
+
+    caplog.set_level(logging.DEBUG, logger="gpuvisor.lease")
+    # Not installed: the usual machine without an NVIDIA GPU, said at debug level only.
+    await detect_devices(command=[str(tmp_path / "no-such-smi")])
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert said(logging.WARNING) == [] and any("no-such-smi is not installed" in m for m in debug), debug
+    await detect_devices(command=["false"])
+    assert said(logging.WARNING) == ["false exited with status 1: the lease has the CPU"]
+    not_runnable = tmp_path / "smi"
+    not_runnable.write_text("not a program")
+    await detect_devices(command=[str(not_runnable)])
+    (warning,) = said(logging.WARNING)
+    assert warning.startswith(f"cannot run {not_runnable} (") and "Permission denied" in warning
+    devices = await detect_devices(command=["sleep", "30"], timeout=0.2)
+    assert [d.id for d in devices] == [CPU]
+    assert said(logging.WARNING) == ["sleep did not answer within 0.2 s: the lease has the CPU"]

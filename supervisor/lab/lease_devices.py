@@ -8,10 +8,13 @@ books them as nodes come and go).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from supervisor.models.gpu_reading import GpuReading
+
+log = logging.getLogger("gpuvisor.lease")
 
 CPU = "cpu"
 NVIDIA_SMI_QUERY = (
@@ -68,9 +71,12 @@ async def detect_devices(
     command: Sequence[str] = NVIDIA_SMI_QUERY,
     timeout: float = 10.0,
 ) -> list[Device]:
-    """Configured ids win; else ask nvidia-smi; none or failure -> ``cpu``."""
+    """Configured ids win; else ask nvidia-smi; none or failure -> ``cpu``,
+    with the reason logged: at debug level when nvidia-smi is not installed
+    (a machine without an NVIDIA GPU, the usual case), else as a warning."""
     if configured:
         return [device_from_id(d) for d in configured]
+    tool = command[0]
     try:
         proc = await asyncio.create_subprocess_exec(
             *command,
@@ -78,15 +84,25 @@ async def detect_devices(
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
         )
-    except OSError:
+    except FileNotFoundError:
+        log.debug("%s is not installed: no NVIDIA GPU here, the lease has the CPU", tool)
+        return [cpu_device()]
+    except OSError as exc:
+        log.warning("cannot run %s (%s): the lease has the CPU", tool, exc)
         return [cpu_device()]
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:
         proc.kill()
         await proc.wait()
+        log.warning("%s did not answer within %g s: the lease has the CPU", tool, timeout)
         return [cpu_device()]
-    found = parse_nvidia_smi(out.decode(errors="replace")) if proc.returncode == 0 else []
+    if proc.returncode != 0:
+        log.warning("%s exited with status %s: the lease has the CPU", tool, proc.returncode)
+        return [cpu_device()]
+    found = parse_nvidia_smi(out.decode(errors="replace"))
+    if not found:
+        log.debug("%s lists no GPU: the lease has the CPU", tool)
     return found or [cpu_device()]
 
 

@@ -2,12 +2,13 @@
 
 With ``ray_address`` set, the pool keeps one ``ClusterNodes``: it lists the
 cluster's alive nodes (supervisor/workers/ray_launcher.py), asks each one's
-node agent for its memory (node_agent.NodeAgent.read_memory: nvidia-smi
-there), and keeps the lease's books in step (supervisor/lab/lease.py):
+node agent for its memory (node_agent.NodeAgent.read_memory: nvidia-smi,
+else amd-smi or rocm-smi there), and keeps the lease's books in step
+(supervisor/lab/lease.py):
 
 - a node that joins adds its GPUs as ``node/cuda:N`` devices, as many as its
-  logical GPUs (``ray start --num-gpus``), in nvidia-smi's order; a node
-  with logical GPUs where nvidia-smi finds none runs models in its RAM,
+  logical GPUs (``ray start --num-gpus``), in the GPU tool's order; a node
+  with logical GPUs where no GPU is found runs models in its RAM,
   with one device, ``node/cpu``;
 - a node that leaves (the cluster no longer lists it alive) takes its
   devices out of the lease, and the pool is told (``on_lost``), so that its

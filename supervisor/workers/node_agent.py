@@ -6,7 +6,8 @@ the node's half of a ``Started``: it starts ``python -m worker`` with the
 command line the parent built (launcher.worker_argv), in its own session
 and process group, with the allowlisted environment of this node plus the
 parent's pinned devices, its output appended to a log on this node; it
-reads this node's free memory (its GPUs through nvidia-smi, else its RAM)
+reads this node's free memory (its GPUs as the parent reads its own:
+nvidia-smi, else amd-smi, rocm-smi or the amdgpu driver's sysfs; else its RAM)
 for the parent's lease and placement, and the GGUF header of a model in
 this node's own Hub cache, which the parent cannot read; it
 holds the worker's stdin (the secret is the first line, and the agent's
@@ -33,7 +34,8 @@ import msgspec
 import psutil
 
 from supervisor.lab.job_process import child_environ, kill_group, signal_group
-from supervisor.models.devices import SmiSource
+from supervisor.models.amd_smi import SYSFS_DRM, AmdSource
+from supervisor.models.devices import DeviceSource, SmiSource, SystemSource
 from supervisor.models.gguf_header import GgufError
 from supervisor.models.gguf_info import read_gguf_info
 from supervisor.workers.crash import log_size, read_log_tail
@@ -66,6 +68,15 @@ JOB_READ_BYTES = 1 << 16
 MAX_JOBS = 64
 
 
+def node_gpu_source(drm: Path = SYSFS_DRM) -> SystemSource:
+    """This node's GPUs, read by the code the parent reads its own with
+    (devices.SystemSource): NVIDIA ones through nvidia-smi, else AMD ones
+    through amd-smi, rocm-smi or amdgpu's sysfs under ``drm``. Every GPU of
+    the node: Ray hides them from this actor (it books none) through the
+    visible-devices variables, so neither reader heeds this process's."""
+    return SystemSource([("nvidia-smi", SmiSource(environ={})), ("amd", AmdSource(drm=drm, environ={}))])
+
+
 class UnknownWorker(LookupError):
     """A pid this agent did not start (or already cleaned up)."""
 
@@ -73,7 +84,7 @@ class UnknownWorker(LookupError):
 class NodeAgent:
     """Starts and tends the parent's worker processes on this node."""
 
-    def __init__(self, state_dir: str = "") -> None:
+    def __init__(self, state_dir: str = "", gpus: DeviceSource | None = None) -> None:
         # Node-local files: the engine sockets and the worker logs. A short
         # path by default: Unix socket paths are limited to ~108 bytes.
         base = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="gpuvisor-node-"))
@@ -83,6 +94,10 @@ class NodeAgent:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._children: dict[int, _Child] = {}
         self._jobs: dict[int, _Job] = {}
+        # One source for the agent's life: the tool that first showed GPUs is
+        # asked again (not a broken nvidia-smi each time on an AMD node), and
+        # amd-smi's names are read once.
+        self._gpus = node_gpu_source() if gpus is None else gpus
 
     async def where(self) -> dict[str, str | int]:
         """This agent's process and its node-local directories."""
@@ -91,11 +106,12 @@ class NodeAgent:
 
     async def read_memory(self) -> dict[str, list[Any]]:
         """This node's GPUs (``index, uuid, name, free, total`` in bytes, as
-        nvidia-smi reports them) and its RAM (free, total); no GPUs without
-        an NVIDIA driver. Plain lists: the parent builds its own readings."""
-        # Every GPU of the node: Ray hides them from this actor (it books none),
-        # and the parent pins the ones it places on for each worker itself.
-        readings = await asyncio.to_thread(SmiSource(environ={}).read)
+        nvidia-smi, amd-smi or rocm-smi reports them: the index is the one
+        ``CUDA_VISIBLE_DEVICES`` or ``ROCR_VISIBLE_DEVICES`` selects) and its
+        RAM (free, total); no GPUs without a GPU driver. DeviceReadError when
+        a tool is there and fails. Plain lists: the parent builds its own
+        readings, and pins the GPUs it places on for each worker itself."""
+        readings = await asyncio.to_thread(self._gpus.read)
         ram = psutil.virtual_memory()
         gpus: list[list[str | int]] = [[r.index, r.uuid, r.name, r.free_bytes, r.total_bytes] for r in readings]
         return {"gpus": gpus,

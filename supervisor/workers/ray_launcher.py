@@ -220,7 +220,7 @@ class RayLauncher:
         try:
             reading: dict[str, Any] = await _bounded(agent.actor.read_memory.remote(), READ_TIMEOUT)
         except ClusterError as exc:
-            # The agent answered with its node's failure (nvidia-smi's): it stays.
+            # The agent answered with its node's failure (its GPU tool's): it stays.
             if not isinstance(exc.__cause__, self._ray.exceptions.RayTaskError):
                 self._forget(agent)  # gone or stuck: a new agent for the next call, if the node lives
             raise
