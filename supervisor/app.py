@@ -54,7 +54,7 @@ from supervisor.db import Database
 from supervisor.errors import ApiError, BadRequest, NotFound
 from supervisor.knowledge.schema import KNOWLEDGE_SCHEMA, VECTOR_BLOCKS_SCHEMA, VECTOR_STORE_EXPIRY_SCHEMA
 from supervisor.lab.gpu_setup import build_lease, gpu_room
-from supervisor.lab.job_schema import NODE_FILES_SCHEMA
+from supervisor.lab.job_schema import JOBS_NODE_SCHEMA, NODE_FILES_SCHEMA
 from supervisor.lab.leftovers import remove_stale_sockets
 from supervisor.lab.runner import JobRunner, RunnerSettings
 from supervisor.lab.store import JOBS_OWNER_SCHEMA, JOBS_SCHEMA, JobStore
@@ -76,7 +76,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Database migrations, in order; only ever append.
 MIGRATIONS = [JOBS_SCHEMA, responses.RESPONSES_SCHEMA, auth.AUTH_SCHEMA, responses.RESPONSE_EVENTS_SCHEMA,
               JOBS_OWNER_SCHEMA, RESPONSES_OWNER_SCHEMA, KNOWLEDGE_SCHEMA, VECTOR_BLOCKS_SCHEMA,
-              NODE_FILES_SCHEMA, VECTOR_STORE_EXPIRY_SCHEMA]  # append only
+              NODE_FILES_SCHEMA, VECTOR_STORE_EXPIRY_SCHEMA, JOBS_NODE_SCHEMA]  # append only
 
 
 @web.middleware

@@ -151,12 +151,16 @@ async def test_local_jobs_stay_local_and_a_count_goes_to_one_machine(tmp_path: P
         done = await wait_finished(lab.runner.store, job.id)
         assert done.status == "succeeded" and lab.nodes.started == []
         assert done.proc_create_time is not None  # a local process: recovery may kill it
+        assert done.node is None and done.to_api()["node"] is None  # ran here
         # Two asked: this machine has one, node-b two: the job goes there whole.
         two, _ = await lab.runner.submit("sleep", SleepParams(steps=1, step_seconds=0.01, gpus=2))
+        assert two.to_api()["node"] is None  # queued: its params name no node
         done = await wait_finished(lab.runner.store, two.id)
         assert done.status == "succeeded", done.error
         (started,) = lab.nodes.started
         assert started.node == "node-b"
+        # Where it ran is recorded, though its params named no node.
+        assert done.node == "node-b" and done.to_api()["node"] == "node-b"
         # Three: no machine has them.
         three, _ = await lab.runner.submit("sleep", SleepParams(steps=1, gpus=3))
         done = await wait_finished(lab.runner.store, three.id)

@@ -98,8 +98,13 @@ NODE_FILES_SCHEMA: list[str] = [
     ) WITHOUT ROWID""",
     "CREATE INDEX node_files_model ON node_files(model_id) WHERE model_id IS NOT NULL",
 ]
+# The cluster node a job started on (NULL: this machine, or not started):
+# the runner may move a count of devices to a node, which its params do not say.
+JOBS_NODE_SCHEMA: list[str] = [
+    "ALTER TABLE jobs ADD COLUMN node TEXT",
+]
 # The job tables alone, for a database that holds nothing else (tests, benchmarks).
-JOBS_MIGRATIONS: list[list[str]] = [JOBS_SCHEMA, JOBS_OWNER_SCHEMA, NODE_FILES_SCHEMA]
+JOBS_MIGRATIONS: list[list[str]] = [JOBS_SCHEMA, JOBS_OWNER_SCHEMA, NODE_FILES_SCHEMA, JOBS_NODE_SCHEMA]
 
 # Fields the API never shows: internal bookkeeping.
 _HIDDEN = ("unique_key", "proc_create_time", "last_seq")
@@ -132,17 +137,19 @@ class Job(msgspec.Struct, kw_only=True):
     unique_key: str
     last_seq: int
     owner: str | None = None
+    # The cluster node it started on; None for this machine and before it started.
+    node: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.status in FINISHED
 
     @property
-    def node(self) -> str | None:
-        """The cluster node the job runs on as its params name it: its
-        ``node``, or the node of the devices it names (``node-b/cuda:0``).
-        None for this machine, and for a count of devices, whose machine
-        the runner picks when the job starts (its stage names the devices)."""
+    def named_node(self) -> str | None:
+        """The cluster node the job's params name: its ``node``, or the node
+        of the devices it names (``node-b/cuda:0``). None for this machine,
+        and for a count of devices, whose machine the runner picks when the
+        job starts (then recorded in :attr:`node`)."""
         named = self.params.get("node")
         if isinstance(named, str):
             return named
@@ -156,7 +163,8 @@ class Job(msgspec.Struct, kw_only=True):
         for name in self.__struct_fields__:
             if name not in _HIDDEN and (admin or name not in _ADMIN_ONLY):
                 out[name] = getattr(self, name)
-        out["node"] = self.node
+        # Where it ran once it started; before, where its params send it.
+        out["node"] = self.node or self.named_node
         return out
 
 

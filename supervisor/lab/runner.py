@@ -384,7 +384,7 @@ class JobRunner:
         try:
             if active.stop_reason is not None:
                 return  # stopped as it got the lease: still queued
-            started = await self.store.start(job.id)
+            started = await self.store.start(job.id, node or None)
             if started is None:
                 return  # cancelled while it waited
             active.job = started

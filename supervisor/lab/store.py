@@ -138,14 +138,15 @@ class JobStore:
         row = first_row(rows)
         return row_job(row) if row is not None else None
 
-    async def start(self, job_id: str) -> Job | None:
-        """Move a queued job to running (its devices are held now); None when
-        it is no longer queued (cancelled while it waited)."""
+    async def start(self, job_id: str, node: str | None = None) -> Job | None:
+        """Move a queued job to running (its devices are held now) on ``node``
+        (None: this machine); None when it is no longer queued (cancelled
+        while it waited)."""
         async with self.db.write() as conn:
             rows = await conn.execute_fetchall(
                 "UPDATE jobs SET status = 'running', attempt = attempt + 1, heartbeat_at = ?, "
-                "stage = 'starting' WHERE id = ? AND status = 'queued' RETURNING *",
-                (self.clock(), job_id),
+                "stage = 'starting', node = ? WHERE id = ? AND status = 'queued' RETURNING *",
+                (self.clock(), node, job_id),
             )
             row = first_row(rows)
         return row_job(row) if row is not None else None
