@@ -145,3 +145,28 @@ def test_without_a_cluster_the_form_offers_no_node(browser: Any, tiny_model_path
             watch.check()
         finally:
             context.close()
+
+
+class _SilentCluster(AgentNodes):
+    """A cluster whose head does not answer when its nodes are listed."""
+
+    async def node_names(self) -> list[str]:
+        raise OSError("no answer from the Ray cluster at 10.0.0.1:6380")
+
+
+def test_a_cluster_that_does_not_answer_leaves_the_node_field_saying_why(browser: Any,
+                                                                         tiny_model_path: Path) -> None:
+    with served(tiny_model_path, _SilentCluster({})) as (base, _):
+        answer = httpx.get(f"{base}/api/jobs/nodes", timeout=10)
+        assert answer.status_code == 503 and "no answer from the Ray cluster" in answer.json()["error"]["message"]
+        context, pg, watch = new_page(browser, base)
+        try:
+            pg.goto(f"{base}/#/jobs?new=quantize")
+            node = pg.locator('form#submit-quantize [data-field="node"]')
+            node.locator("input").wait_for()  # shown, as a text field: no list to choose from
+            help_text = node.locator(".field-help").inner_text()
+            assert "could not be listed" in help_text and "no answer from the Ray cluster" in help_text, help_text
+            # The browser reports the 503 itself; nothing else went wrong.
+            watch.check(allow=("503",))
+        finally:
+            context.close()

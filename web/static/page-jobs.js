@@ -132,11 +132,18 @@ function datasetUpload(form) {
 
 // A kind's ``node`` (the kinds that book no device): a select of the
 // cluster's alive nodes and "this machine" (nothing sent). Hidden without a
-// cluster, where the server refuses any node.
+// cluster, where the server refuses any node. When the nodes cannot be
+// listed (the cluster does not answer), the text field stays, saying why.
 function nodeChoice(field, clusterNodes) {
   if (!field) return;
   field.el.hidden = true;
-  clusterNodes.then((nodes) => {
+  clusterNodes.then(({ nodes, error }) => {
+    if (error) {
+      field.el.querySelector('.field-help').textContent =
+        `The cluster's nodes could not be listed (${error.message}). Type a node's name, or leave it empty for this machine.`;
+      field.el.hidden = false;
+      return;
+    }
     if (!nodes) return;
     const gpus = (n) => (n.devices.length ? `${n.devices.length} GPU${n.devices.length === 1 ? '' : 's'}` : 'no GPU');
     field.setOptions([{ value: '', label: 'this machine' }, ...nodes.map((n) => ({ value: n.name, label: `${n.name} · ${gpus(n)}` }))],
@@ -157,7 +164,7 @@ function submitPanel(kinds, onCreated, query) {
   // Without a GPU a count of GPUs, or which ones, is nothing to choose.
   const noGpu = leaseDevices().then(cpuOnly);
   // The cluster's alive nodes, for the kinds that may name one; null: no cluster.
-  const clusterNodes = getJson('api/jobs/nodes').then((b) => (b.cluster ? b.data : null)).catch(() => null);
+  const clusterNodes = getJson('api/jobs/nodes').then((b) => ({ nodes: b.cluster ? b.data : null }), (error) => ({ error }));
 
   function show(kind, prefill = {}) {
     current = kind;
