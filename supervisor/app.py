@@ -119,6 +119,7 @@ def timing_from(cfg: Config) -> Timing:
         crash_limit=cfg.crash_limit,
         crash_window=cfg.crash_window,
         load_stall_timeout=cfg.load_stall_timeout,
+        node_verdict_s=cfg.node_verdict_s,
     )
 
 

@@ -203,6 +203,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A Ray cluster to run the workers on ("" = this machine only): the
     # parent joins it as a driver (docs/cluster.md); needs worker_listen = "tcp:HOST".
     ray_address: str = ""
+    # How long requests in flight on a worker that ended with its node's agent
+    # wait for the cluster to say whether the node is gone (node_lost) before
+    # they end as a crash: about Ray's default health checks (docs/cluster.md).
+    node_verdict_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
     ping_interval: float = 2.0
     ping_timeout: float = 10.0
     kill_grace: float = 5.0

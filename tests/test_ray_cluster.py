@@ -18,13 +18,14 @@ import secrets
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
 import pytest
 
+from supervisor.app import timing_from
 from supervisor.config import ConfigError, load_config
-from supervisor.workers import handle as handle_module
 from supervisor.workers.connection import Endpoint, Listener
 from supervisor.workers.handle import WorkerHandle, WorkerState
 from supervisor.workers.launcher import LocalLauncher, LocalProcess, worker_argv
@@ -209,11 +210,12 @@ class _NodeLauncher:
         return self.started
 
 
-async def _held_request_on_a_lost_node(tiny_model_path: Path) -> tuple[WorkerHandle, Pending]:
+async def _held_request_on_a_lost_node(tiny_model_path: Path,
+                                       timing: Timing = TIMING) -> tuple[WorkerHandle, Pending]:
     """A handle whose worker took a request and then died with its node (held still, then SIGKILLed)."""
     run, logs = short_tempdir(), short_tempdir()
     launcher = _NodeLauncher(run, logs)
-    handle = WorkerHandle(WorkerSpec("tiny", tiny_model_path, False, 256, 0, 1), TIMING, run, logs, 8,
+    handle = WorkerHandle(WorkerSpec("tiny", tiny_model_path, False, 256, 0, 1), timing, run, logs, 8,
                           launcher=launcher, endpoint=Endpoint.parse("unix"))
     handle.start()
     await asyncio.wait_for(handle.ready.wait(), 90)
@@ -226,7 +228,7 @@ async def _held_request_on_a_lost_node(tiny_model_path: Path) -> tuple[WorkerHan
 
 
 async def test_requests_on_a_worker_gone_with_its_node_end_with_node_lost_once_the_cluster_says_so(
-        tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_model_path: Path) -> None:
     handle, pend = await _held_request_on_a_lost_node(tiny_model_path)
     try:
         # Its connection broke and its process is gone: the request waits for the cluster's verdict...
@@ -239,9 +241,9 @@ async def test_requests_on_a_worker_gone_with_its_node_end_with_node_lost_once_t
     event = await asyncio.wait_for(pend.events.get(), 10)
     assert isinstance(event, WorkerGone) and event.code == "node_lost", event
     assert event.message == "node node-b left the cluster"
-    # A node that is never declared gone (only its agent died): after the bound, a crash as before.
-    monkeypatch.setattr(handle_module, "NODE_VERDICT_S", 0.5)
-    handle, pend = await _held_request_on_a_lost_node(tiny_model_path)
+    # A node that is never declared gone (only its agent died): after the bound (the
+    # node_verdict_s setting), a crash as before.
+    handle, pend = await _held_request_on_a_lost_node(tiny_model_path, replace(TIMING, node_verdict_s=0.5))
     try:
         event = await asyncio.wait_for(pend.events.get(), 30)
         assert isinstance(event, WorkerGone) and event.code == "worker_crashed", event
@@ -266,6 +268,12 @@ async def test_a_cluster_needs_workers_that_dial_back_over_tcp(tmp_path: Path, t
     cfg = load_config(environ={"GPUVISOR_RAY_ADDRESS": "10.0.0.5:6380", "GPUVISOR_WORKER_LISTEN": "tcp:10.0.0.1",
                                "GPUVISOR_STATE_DIR": str(tmp_path)})
     assert cfg.ray_address == "10.0.0.5:6380"
+    # The wait for the cluster's verdict on a lost node is a setting: 30 s unless set, never 0.
+    assert cfg.node_verdict_s == 30.0 and timing_from(cfg).node_verdict_s == 30.0
+    tuned = load_config(environ={"GPUVISOR_NODE_VERDICT_S": "5", "GPUVISOR_STATE_DIR": str(tmp_path)})
+    assert tuned.node_verdict_s == 5.0 and timing_from(tuned).node_verdict_s == 5.0
+    with pytest.raises(ConfigError, match="node_verdict_s"):
+        load_config(environ={"GPUVISOR_NODE_VERDICT_S": "0", "GPUVISOR_STATE_DIR": str(tmp_path)})
     # The launcher's own guard, before it touches the cluster.
     with pytest.raises(ClusterError, match="over TCP"):
         await RayLauncher("10.0.0.5:6380", tmp_path).start(

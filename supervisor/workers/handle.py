@@ -40,10 +40,6 @@ __all__ = ["Cause", "NotAccepting", "WorkerHandle", "WorkerState", "worker_log_p
 log = logging.getLogger("gpuvisor.worker")
 
 EXIT_LOAD_FAILED = p.EXIT_LOAD_FAILED
-# How long the requests in flight on a worker that ended with its node's agent
-# wait for the cluster's verdict on that node: Ray's default health checks
-# declare a dead node within about 30 s (docs/cluster.md).
-NODE_VERDICT_S = 30.0
 
 
 class WorkerState(enum.Enum):
@@ -261,7 +257,7 @@ class WorkerHandle:
         the bound (an agent gone on a node that lives: a crash after all)."""
         self._set_state(WorkerState.CRASHED)
         try:
-            await asyncio.wait_for(self._stop_requested.wait(), NODE_VERDICT_S)
+            await asyncio.wait_for(self._stop_requested.wait(), self.timing.node_verdict_s)
         except TimeoutError:
             return False
         return True

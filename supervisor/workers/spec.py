@@ -65,3 +65,6 @@ class Timing:
     heartbeat: float = 1.0
     # A load that shows no progress (worker memory not growing) for this long fails.
     load_stall_timeout: float = 60.0
+    # How long requests on a worker gone with its node's agent wait for the
+    # cluster's verdict on that node (config node_verdict_s).
+    node_verdict_s: float = 30.0
