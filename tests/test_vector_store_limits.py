@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from openai.types import VectorStore
+from openai.types import VectorStore, VectorStoreSearchResponse
+from openai.types.vector_stores import VectorStoreFile, VectorStoreFileDeleted
 
 from tests.server import REPO, Server, poll_until, running, short_tempdir
 
@@ -166,3 +167,70 @@ def test_a_keys_stores_hold_at_most_the_quota(setup: Setup, srv: Server) -> None
     # Deleting a store frees what it held.
     alice.vector_stores.delete(first.id)
     assert alice.vector_stores.create(name="again", file_ids=[b.id]).file_counts.total == 1
+
+
+def test_a_store_is_modified_and_its_files_read_by_its_key_only(setup: Setup, srv: Server) -> None:
+    alice, bob = sdk(srv, setup.alice), sdk(srv, setup.bob)
+    note = alice.files.create(file=("otter.md", b"The otter naps."), purpose="assistants")
+    store = alice.vector_stores.create(name="before", file_ids=[note.id], metadata={"team": "a", "old": "1"})
+    _indexed(alice, store.id, 1)
+    _age(setup.state, store.id, 1)
+    # Each field as the SDK sends it; the answer is the whole store, strictly the SDK's type.
+    changed = alice.with_raw_response.vector_stores.update(
+        store.id, name="after", metadata={"team": "b"}, expires_after={"anchor": "last_active_at", "days": 3})
+    got = VectorStore.model_validate(changed.http_response.json(), strict=True)
+    assert (got.name, got.metadata, got.file_counts.completed) == ("after", {"team": "b"}, 1)
+    assert got.expires_after is not None and got.expires_after.days == 3
+    # A change is a use: expires_at counts from now, not from the day-old last use.
+    assert got.last_active_at is not None and got.last_active_at >= store.created_at  # aged: a day before
+    assert got.expires_at == got.last_active_at + 3 * DAY
+    assert alice.vector_stores.retrieve(store.id).model_dump() == got.model_dump()
+    # A field left out stays; null clears it.
+    kept = alice.vector_stores.update(store.id, name="renamed")
+    assert (kept.metadata, kept.expires_after.days if kept.expires_after else None) == ({"team": "b"}, 3)
+    cleared = alice.vector_stores.update(store.id, expires_after=None, metadata=None)
+    assert (cleared.expires_after, cleared.expires_at, cleared.metadata, cleared.name) == (None, None, {}, "renamed")
+    # Hostile fields: a 400 naming each, and the store as it was.
+    url = f"vector_stores/{store.id}"
+    for body, param in (({"name": "n" * 257}, "name"), ({"name": 5}, "name"),
+                        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+                        ({"metadata": {"k": "v" * 513}}, "metadata[...]"),
+                        ({"expires_after": {"anchor": "last_active_at", "days": 0}}, "expires_after.days"),
+                        ({"expires_after": {"anchor": "created_at", "days": 1}}, "expires_after.anchor"),
+                        ({"expires_after": {"days": 1}}, "expires_after")):
+        error = _error(_post(srv, setup.alice, url, body), 400)
+        assert error["param"] == param, (body, error)
+    # A key over 64 characters and a field modify does not take are refused too (the decoder names no param).
+    assert "metadata" in _error(_post(srv, setup.alice, url, {"metadata": {"k" * 65: "v"}}), 400)["message"]
+    assert "file_ids" in _error(_post(srv, setup.alice, url, {"file_ids": []}), 400)["message"]
+    assert alice.vector_stores.retrieve(store.id).model_dump() == cleared.model_dump()
+    assert _error(_post(srv, setup.alice, "vector_stores/vs_nope", {"name": "x"}), 400)["param"] == "vector_store_id"
+    assert _error(_post(srv, setup.alice, f"vector_stores/vs_{'0' * 24}", {"name": "x"}), 404)["param"] \
+        == "vector_store_id"
+    # The store's file: retrieve, search, delete, each strictly the SDK's type.
+    raw = alice.with_raw_response.vector_stores.files.retrieve(note.id, vector_store_id=store.id)
+    one = VectorStoreFile.model_validate(raw.http_response.json(), strict=True)
+    assert (one.id, one.vector_store_id, one.status) == (note.id, store.id, "completed")
+    found = alice.with_raw_response.vector_stores.search(store.id, query="otter")
+    hits = found.http_response.json()["data"]
+    assert [VectorStoreSearchResponse.model_validate(h, strict=True).file_id for h in hits] == [note.id]
+    # Another key sees none of it: every route is a 404, as for a store that does not exist.
+    for call in (lambda: bob.vector_stores.update(store.id, name="mine"),
+                 lambda: bob.vector_stores.files.retrieve(note.id, vector_store_id=store.id),
+                 lambda: bob.vector_stores.files.delete(note.id, vector_store_id=store.id),
+                 lambda: bob.vector_stores.search(store.id, query="otter")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert alice.vector_stores.retrieve(store.id).name == "renamed"
+    gone = alice.with_raw_response.vector_stores.files.delete(note.id, vector_store_id=store.id)
+    deleted = VectorStoreFileDeleted.model_validate(gone.http_response.json(), strict=True)
+    assert (deleted.id, deleted.deleted) == (note.id, True)
+    with pytest.raises(openai.NotFoundError):
+        alice.vector_stores.files.retrieve(note.id, vector_store_id=store.id)
+    assert alice.vector_stores.search(store.id, query="otter").data == []
+    # An expired store is refused a change as any other use (the sweep removes it).
+    _age(setup.state, store.id, 0)
+    alice.vector_stores.update(store.id, expires_after={"anchor": "last_active_at", "days": 1})
+    _age(setup.state, store.id, 2)
+    assert _error(_post(srv, setup.alice, url, {"name": "revived"}), 400)["code"] == "vector_store_expired"
+    alice.vector_stores.delete(store.id)

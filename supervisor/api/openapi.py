@@ -25,7 +25,7 @@ from jobs.kinds import job_kinds
 from supervisor.api.job_estimate import EstimateBody
 from supervisor.api.jobs import CancelBody, SubmitBody
 from supervisor.api.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
-from supervisor.api.vector_stores import AddFile, CreateStore, Search
+from supervisor.api.vector_stores import AddFile, CreateStore, ModifyStore, Search
 from supervisor.appkeys import OPENAPI_DOCUMENT
 from supervisor.config import ModelSettings
 from supervisor.errors import ErrorEnvelope
@@ -150,6 +150,9 @@ ROUTES: tuple[Operation, ...] = (
               errors=(400, 404)),
     Operation("GET", "/v1/vector_stores/{store_id}", "Retrieve a vector store", "vector_stores",
               errors=(400, 404), path_descriptions=_STORE_ID),
+    Operation("POST", "/v1/vector_stores/{store_id}", "Modify a vector store: name, metadata, expires_after "
+              "(a field left out stays; null clears it)", "vector_stores", body=ModifyStore,
+              errors=(400, 404, 413), path_descriptions=_STORE_ID),
     Operation("DELETE", "/v1/vector_stores/{store_id}", "Delete a vector store and its chunks", "vector_stores",
               errors=(400, 404), path_descriptions=_STORE_ID),
     Operation("POST", "/v1/vector_stores/{store_id}/files", "Add a file to a vector store (indexed in the background)",

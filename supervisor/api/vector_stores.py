@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -28,7 +29,7 @@ from supervisor.knowledge.records import (
     page_body,
 )
 from supervisor.knowledge.service import Knowledge
-from supervisor.knowledge.stores import Attributes, FileStatus
+from supervisor.knowledge.stores import Attributes, FileStatus, StoreRecord
 from supervisor.models.source import LibrarySource
 
 # OpenAI's own bounds on these fields.
@@ -76,6 +77,24 @@ class CreateStore(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     description: Annotated[str, msgspec.Meta(max_length=512)] | None = None
 
 
+class ModifyStore(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's modify: a field left out stays as it is; ``null`` clears it
+    (no name, no metadata, no expiry: kept until deleted)."""
+
+    name: Annotated[str, msgspec.Meta(max_length=256)] | None | msgspec.UnsetType = msgspec.UNSET
+    metadata: Metadata | None | msgspec.UnsetType = msgspec.UNSET
+    expires_after: ExpiresAfter | None | msgspec.UnsetType = msgspec.UNSET
+
+    def apply(self, store: StoreRecord) -> StoreRecord:
+        if not isinstance(self.name, msgspec.UnsetType):
+            store = replace(store, name=self.name or "")
+        if not isinstance(self.metadata, msgspec.UnsetType):
+            store = replace(store, metadata=dict(self.metadata or {}))
+        if not isinstance(self.expires_after, msgspec.UnsetType):
+            store = replace(store, expires_days=None if self.expires_after is None else self.expires_after.days)
+        return store
+
+
 class AddFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     file_id: str
     attributes: AttributeMap = {}
@@ -105,6 +124,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/vector_stores", create_store)
     app.router.add_get("/v1/vector_stores", list_stores)
     app.router.add_get("/v1/vector_stores/{store_id}", retrieve_store)
+    app.router.add_post("/v1/vector_stores/{store_id}", modify_store)
     app.router.add_delete("/v1/vector_stores/{store_id}", delete_store)
     app.router.add_post("/v1/vector_stores/{store_id}/files", add_file)
     app.router.add_get("/v1/vector_stores/{store_id}/files", list_files)
@@ -160,6 +180,14 @@ async def list_stores(request: web.Request) -> web.Response:
 async def retrieve_store(request: web.Request) -> web.Response:
     book = request.app[KNOWLEDGE].book
     return json_response(await book.to_object(await book.get(_store_id(request), request_scope(request))))
+
+
+async def modify_store(request: web.Request) -> web.Response:
+    store_id = _store_id(request)
+    req = await decode_body(request, ModifyStore)
+    knowledge = request.app[KNOWLEDGE]
+    store = await knowledge.modify_store(request_scope(request), store_id, req.apply)
+    return json_response(await knowledge.book.to_object(store))
 
 
 async def delete_store(request: web.Request) -> web.Response:

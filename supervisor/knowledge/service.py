@@ -100,6 +100,15 @@ class Knowledge:
             await self._add(store, rec, size, {}, caller)
         return store
 
+    async def modify_store(self, scope: str | None, store_id: str, change: Callable[[StoreRecord], StoreRecord]
+                           ) -> StoreRecord:
+        """The store after ``change`` (a new name, metadata or expiry) is
+        written; an expired store is refused as for any other use (the sweep
+        removes it), so a change cannot bring it back."""
+        store = await self.book.get(store_id, scope)
+        store.check_usable(self.book.clock())
+        return await self.book.modify(change(store))
+
     async def delete_store(self, scope: str | None, store_id: str) -> None:
         await self.book.get(store_id, scope)
         await self._remove_store(store_id)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import aiosqlite
@@ -147,6 +147,20 @@ class StoreBook:
             sql, args = sql + cursor, [*args, ask.after]
         async with self.db.reader.execute(sql + order, (*args, ask.limit + 1)) as cur:
             return [_store(r) for r in await cur.fetchall()]
+
+    async def modify(self, rec: StoreRecord) -> StoreRecord:
+        """Write ``rec``'s name, metadata and expiry over its row; a change is
+        a use, so last_active_at moves to now. A 404 when the store went
+        (deleted, or swept) since it was read."""
+        now = int(self.clock())
+        async with self.db.write() as conn:
+            cur = await conn.execute("UPDATE vector_stores SET name = ?, metadata = ?, expires_days = ?,"
+                                     " last_active_at = ? WHERE id = ?",
+                                     (rec.name, json.dumps(rec.metadata), rec.expires_days, now, rec.id))
+            changed = cur.rowcount
+        if changed == 0:
+            raise NotFound(f"no vector store with id {rec.id!r}", param="vector_store_id")
+        return replace(rec, last_active_at=now)
 
     async def touch(self, store_id: str) -> None:
         async with self.db.write() as conn:
