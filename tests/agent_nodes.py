@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from supervisor.lab.node_jobs import NodeJobLost
 from supervisor.workers.node_agent import NodeAgent
+from supervisor.workers.node_hub import Removal
 
 
 @dataclass
@@ -48,12 +49,27 @@ class AgentJob:
 class AgentNodes:
     agents: dict[str, NodeAgent]
     started: list[AgentJob] = field(default_factory=list)
+    # Each removal asked of a node's agent: (node, paths).
+    removals: list[tuple[str, list[str]]] = field(default_factory=list)
 
     async def node_names(self) -> list[str]:
         return list(self.agents)
 
     async def read_model(self, node: str, path: str) -> bytes:
         return await self.agents[node].read_model(path)
+
+    async def check_hub_files(self, node: str, paths: list[str]) -> dict[str, list[str]]:
+        return await self._agent(node).check_hub_files(paths)
+
+    async def remove_hub_files(self, node: str, paths: list[str]) -> Removal:
+        self.removals.append((node, paths))
+        return await self._agent(node).remove_hub_files(paths)
+
+    def _agent(self, node: str) -> NodeAgent:
+        agent = self.agents.get(node)
+        if agent is None:
+            raise OSError(f"node {node} is not in the cluster")
+        return agent
 
     async def start_job(self, node: str, argv: list[str], env: dict[str, str], stdin_line: bytes,
                         log_name: str) -> AgentJob:

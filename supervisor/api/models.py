@@ -15,9 +15,9 @@ from formats.chat_templates import TemplateFileError, builtin_name, read_templat
 from supervisor.api.auth import request_scope
 from supervisor.api.adapter_views import api_adapters, base_adapters
 from supervisor.api.io import decode_json, json_response, read_body
-from supervisor.appkeys import CONFIG, LIBRARY, POOL
+from supervisor.appkeys import CONFIG, JOB_RUNNER, LIBRARY, POOL
 from supervisor.config import Config, ModelSettings
-from supervisor.errors import BadRequest, ModelNotFound
+from supervisor.errors import BadRequest, Conflict, ModelNotFound
 from supervisor.generation.profile import file_tool_format, served_profile
 from supervisor.generation.sampling import model_sampling
 from supervisor.models.library import ModelEntry
@@ -242,6 +242,25 @@ async def unload_model(request: web.Request) -> web.Response:
     return json_response(describe_model(entry, pool))
 
 
+async def delete_model(request: web.Request) -> web.Response:
+    """Remove a model a download put on cluster nodes' own disks, from every
+    node that holds it (supervisor/lab/node_models.py: its workers unloaded
+    first; a node that holds it and cannot be reached is a 409, and nothing
+    is removed). Models in the shared directories are the owner's files."""
+    entry = _entry(request)
+    if entry.source != "node":
+        raise Conflict(f"model {entry.id} is in {entry.root or 'the models directory'}: gpuvisor removes only "
+                       "models a download put on a cluster node's own disk; remove its files there",
+                       code="model_not_removable")
+    node_models = request.app[JOB_RUNNER].node_models
+    if node_models is None:
+        raise Conflict(f"model {entry.id} is held on the own disk of {', '.join(sorted(entry.nodes))}, and no "
+                       "cluster is configured to reach it; nothing was removed", code="node_unreachable")
+    freed = await node_models.remove(entry.id, request.app[POOL].unload)
+    return json_response({"id": entry.id, "object": "model", "deleted": True, "nodes": sorted(freed),
+                          "freed_bytes": sum(freed.values())})
+
+
 LOG_TAIL_DEFAULT_BYTES = 64 << 10
 LOG_TAIL_MAX_BYTES = 1 << 20
 
@@ -282,3 +301,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/models/{id:.+}/unload", unload_model)
     app.router.add_get("/api/models/{id:.+}/log", model_log)
     app.router.add_get("/api/models/{id:.+}", get_model)
+    app.router.add_delete("/api/models/{id:.+}", delete_model)

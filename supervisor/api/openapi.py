@@ -223,6 +223,10 @@ ROUTES: tuple[Operation, ...] = (
               path_descriptions=_MODEL_ID),
     Operation("POST", "/api/models/{id}/unload", "Unload a model", "models", errors=(404,),
               path_descriptions=_MODEL_ID),
+    Operation("DELETE", "/api/models/{id}", "Remove a model a download put on cluster nodes' own disks from "
+              "every node that holds it (its workers unloaded first; 409 and nothing removed when such a node "
+              "is not reachable, or for a model in the shared directories)", "models", errors=(404, 409, 503),
+              path_descriptions=_MODEL_ID),
     Operation("GET", "/api/models/{id}/wait", "Wait in line while a job holds the device (long poll)",
               "models", errors=(400, 404), path_descriptions=_MODEL_ID,
               params=(_q("ticket", {"type": "string"}, "The ticket of the previous poll: keeps the place"),

@@ -85,6 +85,27 @@ class NodeFiles:
                                   repo_id=repo_id, revision=revision, info=info, recorded_at=recorded_at))
         return held
 
+    async def model_files(self, model_id: str) -> dict[str, list[str]]:
+        """Each node that holds the model -> the paths there of every file its
+        download recorded (its shards, its projector, the repo's small files)."""
+        rows = await self.db.reader.execute_fetchall(
+            "SELECT g.node, g.local_path FROM node_files f JOIN node_files g "
+            "ON g.node = f.node AND g.job_id = f.job_id WHERE f.model_id = ? ORDER BY g.node, g.local_path",
+            (model_id,))
+        held: dict[str, list[str]] = {}
+        for node, path in rows:
+            held.setdefault(node, []).append(path)
+        return held
+
+    async def drop(self, model_id: str, node: str) -> int:
+        """Forget the model's files on ``node`` (every row its download
+        recorded there); the rows dropped."""
+        async with self.db.write() as conn:
+            cursor = await conn.execute(
+                "DELETE FROM node_files WHERE node = ? AND job_id IN "
+                "(SELECT job_id FROM node_files WHERE model_id = ? AND node = ?)", (node, model_id, node))
+            return cursor.rowcount
+
 
 def is_model_file(f: dict[str, Any]) -> bool:
     """A GGUF that is not a vision projector."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from supervisor.workers.node_hub import Removal
+
 
 class NodeJobLost(Exception):
     """The node (its agent) went away while the job ran: the job's process
@@ -58,4 +60,16 @@ class JobNodes(Protocol):
     async def start_job(self, node: str, argv: list[str], env: dict[str, str], stdin_line: bytes,
                         log_name: str) -> NodeJob:
         """Start ``python <argv>`` on ``node``; OSError when it cannot."""
+        ...
+
+    async def check_hub_files(self, node: str, paths: list[str]) -> dict[str, list[str]]:
+        """Which of these files of ``node``'s own Hub cache are there, checked
+        by its agent (``present``, ``missing``, ``refused``: not a file of a
+        snapshot in that cache); OSError when the node does not answer."""
+        ...
+
+    async def remove_hub_files(self, node: str, paths: list[str]) -> Removal:
+        """Remove these files of ``node``'s own Hub cache through its agent
+        (``removed``, ``missing``, ``refused``: then none is removed,
+        ``freed_bytes``); OSError when the node does not answer."""
         ...

@@ -55,6 +55,7 @@ from supervisor.lab.lease import GpuLease
 from supervisor.lab.leftovers import remove_job_temps
 from supervisor.lab.node_exec import NodeJobExecution, NodeSpawnFailed, job_node
 from supervisor.lab.node_files import NodeFiles, node_entries
+from supervisor.lab.node_models import NodeModels
 from supervisor.lab.node_jobs import JobNodes, NodeJobLost
 from supervisor.lab.outcome import Outcome, outcome_of, record, record_later
 from supervisor.lab.store import (
@@ -106,10 +107,14 @@ class JobRunner:
         # With a cluster: jobs whose devices are a node's run there (lab/node_exec.py).
         self._node_exec: NodeJobExecution | None = None
         self._nodes = nodes
+        # With a cluster: the models held on nodes' own disks, checked and removed (lab/node_models.py).
+        self.node_models: NodeModels | None = None
         if nodes is not None:
             # Downloads into nodes' own caches are recorded and listed (lab/node_files.py).
+            files = NodeFiles(store.db)
             self._node_exec = NodeJobExecution(nodes, store, lease, settings, self._request_stop,
-                                               self._signal_stop, NodeFiles(store.db), on_node_models)
+                                               self._signal_stop, files, on_node_models)
+            self.node_models = NodeModels(files, nodes, on_node_models)
             lease.jobs_on_nodes = True
 
     # ------------------------------------------------------------ lifecycle

@@ -26,6 +26,7 @@ import asyncio
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from supervisor.models.gguf_header import GgufError
 from supervisor.models.gguf_info import read_gguf_info
 from supervisor.workers.crash import log_size, read_log_tail
 from supervisor.workers.launcher import _open_log, _rss, kill_group_leftovers
+from supervisor.workers.node_hub import Removal, check_files, hub_cache_dir, remove_files
 from worker import protocol as p
 
 # Workers one agent keeps track of at once; a parent asks for one per model
@@ -84,7 +86,8 @@ class UnknownWorker(LookupError):
 class NodeAgent:
     """Starts and tends the parent's worker processes on this node."""
 
-    def __init__(self, state_dir: str = "", gpus: DeviceSource | None = None) -> None:
+    def __init__(self, state_dir: str = "", gpus: DeviceSource | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
         # Node-local files: the engine sockets and the worker logs. A short
         # path by default: Unix socket paths are limited to ~108 bytes.
         base = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="gpuvisor-node-"))
@@ -98,6 +101,8 @@ class NodeAgent:
         # asked again (not a broken nvidia-smi each time on an AMD node), and
         # amd-smi's names are read once.
         self._gpus = node_gpu_source() if gpus is None else gpus
+        # Where this node's Hub cache is read from: its own environment (a test gives another).
+        self._environ = environ
 
     async def where(self) -> dict[str, str | int]:
         """This agent's process and its node-local directories."""
@@ -126,6 +131,21 @@ class NodeAgent:
         except GgufError as exc:
             raise OSError(str(exc)) from exc
         return msgspec.msgpack.encode(info)
+
+    def hub_cache(self) -> Path:
+        """This node's own Hub cache: the one a download job run here fills
+        (from the same allowlisted environment, read at each call)."""
+        return hub_cache_dir(child_environ(os.environ if self._environ is None else self._environ))
+
+    async def check_hub_files(self, paths: list[str]) -> dict[str, list[str]]:
+        """Which of these files of this node's Hub cache are there
+        (node_hub.check_files): a model recorded here may have lost its file."""
+        return await asyncio.to_thread(check_files, self.hub_cache(), paths)
+
+    async def remove_hub_files(self, paths: list[str]) -> Removal:
+        """Remove these files of this node's Hub cache (node_hub.remove_files:
+        nothing outside it, nothing at all when one path is refused)."""
+        return await asyncio.to_thread(remove_files, self.hub_cache(), paths)
 
     async def start(self, argv: list[str], extra_env: dict[str, str], secret: bytes, log_name: str,
                     own_python: bool) -> int:

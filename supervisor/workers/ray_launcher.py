@@ -45,6 +45,7 @@ from supervisor.lab.node_jobs import NodeJobLost
 from supervisor.models.gpu_reading import device_node
 from supervisor.workers.crash import worker_log_path
 from supervisor.workers.launcher import Launcher, worker_argv, worker_environ
+from supervisor.workers.node_hub import Removal
 from supervisor.workers.spec import Timing, WorkerSpec
 
 log = logging.getLogger("gpuvisor.worker")
@@ -152,6 +153,18 @@ class RayLauncher:
         agent = await self._agent_on(await self._node_id(node))
         header: bytes = await _bounded(agent.actor.read_model.remote(path))
         return header
+
+    async def check_hub_files(self, node: str, paths: list[str]) -> dict[str, list[str]]:
+        """Which of these files of the node's own Hub cache are there (its agent checks)."""
+        agent = await self._agent_on(await self._node_id(node))
+        found: dict[str, list[str]] = await _bounded(agent.actor.check_hub_files.remote(paths))
+        return found
+
+    async def remove_hub_files(self, node: str, paths: list[str]) -> Removal:
+        """Remove these files of the node's own Hub cache (its agent bounds them to it)."""
+        agent = await self._agent_on(await self._node_id(node))
+        done: Removal = await _bounded(agent.actor.remove_hub_files.remote(paths))
+        return done
 
     def _forget(self, agent: _Agent) -> None:
         """A lost agent: the next start on its node makes a new one."""

@@ -1,0 +1,197 @@
+"""Models held on cluster nodes' own disks, after their download: removed
+through the nodes' agents (bounded to each node's Hub cache), and dropped
+from the records when a node's file is gone. Real node agents in this
+process (tests/agent_nodes.py: no Ray), real files in Hub-cache layout,
+real SQLite."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from supervisor.appkeys import JOB_RUNNER
+from supervisor.errors import Conflict, ModelNotFound
+from supervisor.lab.node_files import NodeFiles
+from supervisor.lab.node_models import NodeModels
+from supervisor.models.entry import ModelEntry
+from supervisor.workers.node_agent import NodeAgent
+from tests.agent_nodes import AgentNodes
+from tests.jobsupport import open_store
+from tests.server import short_tempdir
+from tests.test_web_ui_job_node import served
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = "org/Tiny-GGUF"
+MODEL_ID = "org/Tiny-GGUF/Tiny-Q8_0"
+
+
+def _cache(home: Path, files: dict[str, bytes], revision: str = "c0ffee", repo: str = REPO) -> list[Path]:
+    """Files in a Hub cache's layout under ``home`` (an HF_HOME): each a
+    snapshot symlink to its blob, as huggingface_hub leaves them; their paths."""
+    root = home / "hub" / f"models--{repo.replace('/', '--')}"
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot = root / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(revision)
+    paths = []
+    for name, content in files.items():
+        blob = root / "blobs" / hashlib.sha256(content).hexdigest()
+        blob.write_bytes(content)
+        link = snapshot / name
+        link.symlink_to(os.path.relpath(blob, link.parent))
+        paths.append(link)
+    return paths
+
+
+def _agent(home: Path) -> NodeAgent:
+    return NodeAgent(str(short_tempdir("gvn")), environ={"HF_HOME": str(home)})
+
+
+async def test_a_node_agent_removes_files_of_its_own_hub_cache_and_nothing_else(tmp_path: Path) -> None:
+    home = tmp_path / "node-a-hf"
+    agent = _agent(home)
+    old_model, readme = _cache(home, {"Tiny-Q8_0.gguf": b"GGUF old", "README.md": b"# tiny"}, "rev1")
+    new_model, new_readme = _cache(home, {"Tiny-Q8_0.gguf": b"GGUF new", "README.md": b"# tiny"}, "rev2")
+    outside = tmp_path / "precious.txt"
+    outside.write_text("keep me")
+    # A snapshot folder that is a symlink out of the cache, and a snapshot file linking out of the blobs.
+    evil = home / "hub" / "models--org--Evil" / "snapshots"
+    evil.mkdir(parents=True)
+    (evil / "r").symlink_to(tmp_path)
+    leak = home / "hub" / "models--org--Leak" / "snapshots" / "r" / "x.gguf"
+    leak.parent.mkdir(parents=True)
+    leak.symlink_to(outside)
+
+    hostile = [str(evil / "r" / "precious.txt"),  # through a folder that leads out
+               str(old_model.parent / ".." / ".." / ".." / ".." / ".." / "precious.txt"),
+               str(outside), "relative/Tiny-Q8_0.gguf", str(home / "hub" / "token"),
+               str(old_model.parent.parent)]  # the snapshots folder itself, not a file in a snapshot
+    for raw in hostile:
+        done = await agent.remove_hub_files([str(old_model), raw])
+        assert done.refused == [raw] and done.removed == [], raw
+        assert old_model.read_bytes() == b"GGUF old" and outside.read_text() == "keep me"
+    assert (await agent.check_hub_files([str(old_model), str(tmp_path / "x"), str(home / "hub" / "m--x" / "f")])) \
+        == {"present": [str(old_model)], "missing": [], "refused": [str(tmp_path / "x"), str(home / "hub" / "m--x" / "f")]}
+
+    # One revision goes: its files and blobs; the blob the other revision shares (README) stays.
+    done = await agent.remove_hub_files([str(old_model), str(readme)])
+    assert done.removed == [str(old_model), str(readme)] and done.refused == []
+    assert done.freed_bytes == len(b"GGUF old")
+    assert not old_model.parent.exists()
+    assert new_model.read_bytes() == b"GGUF new" and new_readme.read_bytes() == b"# tiny"
+    # A link out of the repo's blobs goes; what it points to stays.
+    assert (await agent.remove_hub_files([str(leak)])).removed == [str(leak)]
+    assert not leak.is_symlink() and outside.read_text() == "keep me"
+    # Removed again: already gone, no error. The last revision takes its repo with it.
+    assert (await agent.remove_hub_files([str(old_model)])).missing == [str(old_model)]
+    done = await agent.remove_hub_files([str(new_model), str(new_readme)])
+    assert done.freed_bytes == len(b"GGUF new") + len(b"# tiny")
+    assert not (home / "hub" / "models--org--Tiny-GGUF").exists()
+    assert (await agent.check_hub_files([str(new_model)]))["missing"] == [str(new_model)]
+
+
+def _download(files: list[Path], job_id: str) -> dict[str, object]:
+    """A download job's result for these cached files (the model first)."""
+    return {"repo_id": REPO, "revision": "main", "commit": files[0].parent.name, "model_id": MODEL_ID,
+            "files": [{"path": f.name, "size": f.stat().st_size, "local_path": str(f)} for f in files]}
+
+
+async def test_a_model_is_removed_from_every_node_that_holds_it_or_from_none(tmp_path: Path) -> None:
+    homes = {n: tmp_path / f"{n}-hf" for n in ("node-a", "node-b")}
+    held = {n: _cache(h, {"Tiny-Q8_0.gguf": b"GGUF " + n.encode(), "mmproj-Tiny-F16.gguf": b"GGUF proj"})
+            for n, h in homes.items()}
+    agents = {n: _agent(h) for n, h in homes.items()}
+    listed: list[list[ModelEntry]] = []
+    unloaded: list[tuple[str, bool]] = []
+
+    async def unload(model_id: str) -> bool:
+        # A worker serving it goes before its files do.
+        unloaded.append((model_id, all(p.exists() for files in held.values() for p in files)))
+        return True
+
+    async with open_store(tmp_path / "state" / "gpuvisor.db") as store:
+        files = NodeFiles(store.db)
+        for i, (node, paths) in enumerate(held.items()):
+            await files.record_download(node, f"job_{i}", _download(paths, f"job_{i}"), None)
+        # node-b is not in the cluster now: a 409 naming it, and nothing is removed anywhere.
+        models = NodeModels(files, AgentNodes({"node-a": agents["node-a"]}), listed.append)
+        with pytest.raises(Conflict, match="held on node node-b, which is not in the cluster now") as info:
+            await models.remove(MODEL_ID, unload)
+        assert info.value.status == 409 and info.value.code == "node_unreachable"
+        assert all(p.exists() for paths in held.values() for p in paths)
+        assert unloaded == [] and set(await files.model_files(MODEL_ID)) == {"node-a", "node-b"}
+
+        nodes = AgentNodes(agents)
+        models = NodeModels(files, nodes, listed.append)
+        freed = await models.remove(MODEL_ID, unload)
+        assert freed == {n: len(b"GGUF " + n.encode()) + len(b"GGUF proj") for n in held}
+        assert unloaded == [(MODEL_ID, True)]
+        assert sorted(n for n, _ in nodes.removals) == ["node-a", "node-b"]
+        assert not any(p.exists() for paths in held.values() for p in paths)
+        assert await files.model_files(MODEL_ID) == {} and await files.held_models() == []
+        assert listed[-1] == []
+        with pytest.raises(ModelNotFound):
+            await models.remove(MODEL_ID, unload)
+
+
+async def test_a_nodes_missing_file_drops_its_record_and_says_which(tmp_path: Path) -> None:
+    homes = {n: tmp_path / f"{n}-hf" for n in ("node-a", "node-b")}
+    held = {n: _cache(h, {"Tiny-Q8_0.gguf": b"GGUF " + n.encode()}) for n, h in homes.items()}
+    listed: list[list[ModelEntry]] = []
+    async with open_store(tmp_path / "state" / "gpuvisor.db") as store:
+        files = NodeFiles(store.db)
+        for i, (node, paths) in enumerate(held.items()):
+            await files.record_download(node, f"job_{i}", _download(paths, f"job_{i}"), None)
+        models = NodeModels(files, AgentNodes({n: _agent(h) for n, h in homes.items()}), listed.append)
+        path_a = str(held["node-a"][0])
+        assert await models.check_placed(MODEL_ID, "node-a", path_a) is None
+        # Its blob is removed by hand on node-a: the snapshot link dangles.
+        Path(os.path.realpath(path_a)).unlink()
+        reason = await models.check_placed(MODEL_ID, "node-a", path_a)
+        assert reason == (f"model {MODEL_ID}'s file {path_a} is no longer on node node-a; "
+                          "its record there was dropped")
+        # Listed with its other node only.
+        (entry,) = listed[-1]
+        assert entry.nodes == {"node-b": str(held["node-b"][0])}
+        assert set(await files.model_files(MODEL_ID)) == {"node-b"}
+
+
+def test_deleting_a_model_over_http_removes_it_from_its_node_or_answers_409(tiny_model_path: Path) -> None:
+    home = Path(short_tempdir("gvh"))
+    (model,) = _cache(home, {"Tiny-Q8_0.gguf": tiny_model_path.read_bytes()})
+    node_c = _agent(home)
+    nodes = AgentNodes({"node-b": _agent(Path(short_tempdir("gvh")))})
+    with served(tiny_model_path, nodes) as (base, (app, loop)):
+        runner = app[JOB_RUNNER]
+
+        async def record() -> None:
+            assert runner.node_models is not None
+            await runner.node_models.files.record_download("node-c", "job_x", _download([model], "job_x"),
+                                                           await node_c.read_model(str(model)))
+            await runner.node_models.relist()
+
+        asyncio.run_coroutine_threadsafe(record(), loop).result(10)
+        url = f"{base}/api/models/{MODEL_ID}"
+        assert httpx.get(url, timeout=10).json()["nodes"] == ["node-c"]
+        # A model in the shared directories is the owner's; an unknown one is a 404.
+        shared = httpx.delete(f"{base}/api/models/tiny", timeout=10)
+        assert shared.status_code == 409 and shared.json()["error"]["code"] == "model_not_removable"
+        assert httpx.delete(f"{base}/api/models/org/Nope", timeout=10).status_code == 404
+        # node-c is not in the cluster: 409 naming it, and its file stays.
+        gone = httpx.delete(url, timeout=10)
+        assert gone.status_code == 409, gone.text
+        assert "node node-c" in gone.json()["error"]["message"] and model.exists()
+        nodes.agents["node-c"] = node_c
+        done = httpx.delete(url, timeout=10)
+        assert done.status_code == 200, done.text
+        assert done.json() == {"id": MODEL_ID, "object": "model", "deleted": True, "nodes": ["node-c"],
+                               "freed_bytes": tiny_model_path.stat().st_size}
+        assert not model.exists() and not (home / "hub" / "models--org--Tiny-GGUF").exists()
+        assert httpx.get(url, timeout=10).status_code == 404
