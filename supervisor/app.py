@@ -208,6 +208,9 @@ async def runner_ctx(app: web.Application) -> AsyncIterator[None]:
         on_node_models=app[POOL].set_node_models)
     app[JOB_STORE] = runner.store
     app[JOB_RUNNER] = runner
+    if runner.node_models is not None:
+        # A model on a node's own disk is checked there before a worker starts on it.
+        app[POOL].room.check_held = runner.node_models.check_placed
     app[JOB_SETTINGS] = routes_jobs.JobSettings(
         roots, max_upload_bytes=cfg.max_upload_bytes, model_lookup=app[POOL].models.resolve,
         test_job_kinds=cfg.test_job_kinds)

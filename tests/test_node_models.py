@@ -15,14 +15,20 @@ import httpx
 import pytest
 
 from supervisor.appkeys import JOB_RUNNER
-from supervisor.errors import Conflict, ModelNotFound
+from supervisor.config import ModelSettings
+from supervisor.errors import Conflict, ModelNotFound, NotFound
 from supervisor.lab.node_files import NodeFiles
 from supervisor.lab.node_models import NodeModels
 from supervisor.models.entry import ModelEntry
+from supervisor.models.slots import SlotAsk
+from supervisor.workers.gpu_room import GpuRoom
 from supervisor.workers.node_agent import NodeAgent
+from supervisor.workers.room import Room
+from tests import gguf_headers as hdr
 from tests.agent_nodes import AgentNodes
 from tests.jobsupport import open_store
 from tests.server import short_tempdir
+from tests.test_cluster_devices import _gpu, _no_drop, _Nodes, _RoomConfig
 from tests.test_web_ui_job_node import served
 
 pytestmark = pytest.mark.timeout(120)
@@ -195,3 +201,50 @@ def test_deleting_a_model_over_http_removes_it_from_its_node_or_answers_409(tiny
                                "freed_bytes": tiny_model_path.stat().st_size}
         assert not model.exists() and not (home / "hub" / "models--org--Tiny-GGUF").exists()
         assert httpx.get(url, timeout=10).status_code == 404
+
+
+async def test_a_load_goes_to_a_node_that_still_has_the_file_else_says_which_file_is_gone(tmp_path: Path) -> None:
+    """Placement (supervisor/workers/room.py) asks the node it chose: a node
+    that lost the file is dropped and the model placed on another holder;
+    with none left, the load is a 404 naming the node and the file."""
+    header = hdr.llama_gqa(tmp_path / "big.gguf").read_bytes()
+    homes = {n: tmp_path / f"{n}-hf" for n in ("node-a", "node-b")}
+    held = {n: _cache(h, {"Tiny-Q8_0.gguf": header}) for n, h in homes.items()}
+    agents = {n: _agent(h) for n, h in homes.items()}
+    listed: dict[str, ModelEntry] = {}
+
+    def relist(entries: list[ModelEntry]) -> None:
+        listed.clear()
+        listed.update({e.id: e for e in entries})
+
+    async with open_store(tmp_path / "state" / "gpuvisor.db") as store:
+        files = NodeFiles(store.db)
+        for i, (node, paths) in enumerate(held.items()):
+            read = await agents[node].read_model(str(paths[0]))  # the header, as the node's agent reads it
+            await files.record_download(node, f"job_{i}", _download(paths, f"job_{i}"), read)
+        models = NodeModels(files, AgentNodes(agents), relist)
+        await models.relist()
+        # node-a has the most room.
+        room = Room(_RoomConfig(), {}, {}, _no_drop, asyncio.Event(),
+                    gpus=GpuRoom(None, (), lambda _d: None, 0.1, nodes=_Nodes([_gpu("node-a", 0, 20),
+                                                                               _gpu("node-b", 0, 14)])))
+        room.check_held = models.check_placed
+
+        async def place() -> tuple[ModelEntry, str]:
+            entry, _, placed = await room.fit_held(listed[MODEL_ID], ModelSettings(), False, SlotAsk(4, 4), False,
+                                                   None, listed.get)
+            return entry, placed.node
+
+        entry, node = await place()
+        assert node == "node-a" and entry.path == str(held["node-a"][0])
+        Path(os.path.realpath(held["node-a"][0])).unlink()  # its blob removed by hand there
+        entry, node = await place()
+        assert node == "node-b" and entry.path == entry.files[0] == str(held["node-b"][0])
+        assert listed[MODEL_ID].nodes == {"node-b": str(held["node-b"][0])}
+        held["node-b"][0].unlink()  # its snapshot link removed there
+        with pytest.raises(NotFound) as info:
+            await place()
+        assert info.value.status == 404 and info.value.code == "model_file_missing"
+        assert info.value.message == (f"model {MODEL_ID}'s file {held['node-b'][0]} is no longer on node node-b; "
+                                      "its record there was dropped")
+        assert listed == {} and await files.held_models() == []

@@ -12,8 +12,8 @@ import msgspec
 from aiohttp import web
 
 from formats.chat_templates import TemplateFileError, builtin_name, read_template_file
-from supervisor.api.auth import request_scope
 from supervisor.api.adapter_views import api_adapters, base_adapters
+from supervisor.api.auth import request_scope
 from supervisor.api.io import decode_json, json_response, read_body
 from supervisor.appkeys import CONFIG, JOB_RUNNER, LIBRARY, POOL
 from supervisor.config import Config, ModelSettings

@@ -41,7 +41,12 @@ from supervisor.models.gguf_header import GgufError
 from supervisor.models.gguf_info import read_gguf_info
 from supervisor.workers.crash import log_size, read_log_tail
 from supervisor.workers.launcher import _open_log, _rss, kill_group_leftovers
-from supervisor.workers.node_hub import Removal, check_files, hub_cache_dir, remove_files
+from supervisor.workers.node_hub import (
+    Removal,
+    check_files,
+    hub_cache_dir,
+    remove_files,
+)
 from worker import protocol as p
 
 # Workers one agent keeps track of at once; a parent asks for one per model

@@ -229,11 +229,9 @@ class WorkerPool:
         await self.room.make_room_by_count(model_id)
         plan = plan or SpeculativePlan()
         placing = asyncio.get_running_loop().time()
-        decision, placed = await self.room.fit_placed(entry, settings, explicit_ctx, slots, embedding,
-                                                      draft=plan)
-        if entry.nodes:
-            # On that node's own disk: its path there (room.py placed it only where it is held).
-            entry = msgspec.structs.replace(entry, path=entry.nodes[placed.node], files=[entry.nodes[placed.node]])
+        # On nodes' own disks: placed only where its file is there, with its path on that node.
+        entry, decision, placed = await self.room.fit_held(entry, settings, explicit_ctx, slots, embedding, plan,
+                                                           lambda again: self.models.library.get(again))
         if placed.node:
             # On a cluster the readings come from the nodes' agents: how long that took is worth a line.
             log.info("%s placed on %s in %.2fs: %s", model_id, ", ".join(placed.devices),

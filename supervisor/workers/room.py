@@ -15,8 +15,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+import msgspec
+
 from supervisor.config import ModelSettings
-from supervisor.errors import Unavailable
+from supervisor.errors import NotFound, Unavailable
 from supervisor.models.draft import SpeculativePlan
 from supervisor.models.gpu_place import GpuPlacement, cpu_placement
 from supervisor.models.library import ModelEntry
@@ -60,6 +62,10 @@ class Room:
         self.fits = fits
         self.drop = drop
         self.changed = changed  # the pool's own changes (a handle added or dropped)
+        # Asked before a worker starts on a node's own disk (model, node, path):
+        # None when the file is there, else why not, its record there dropped
+        # (supervisor/lab/node_models.py). None: nothing to ask (no cluster).
+        self.check_held: Callable[[str, str, str], Awaitable[str | None]] | None = None
 
     async def check_fits_at_all(self, entry: ModelEntry, settings: ModelSettings,
                                 explicit_ctx: bool, slots: SlotAsk, embedding: bool,
@@ -149,6 +155,33 @@ class Room:
                 if not self.live() or not await self.wait_change(deadline):
                     raise
                 # A busy model may go idle (then it can be evicted): try again.
+
+    async def fit_held(self, entry: ModelEntry, settings: ModelSettings, explicit_ctx: bool, slots: SlotAsk,
+                       embedding: bool, draft: SpeculativePlan | None,
+                       lookup: Callable[[str], ModelEntry | None]
+                       ) -> tuple[ModelEntry, ContextDecision | None, GpuPlacement]:
+        """fit_placed, and for a model on nodes' own disks its file checked on
+        the node placed on (``check_held``): a node that lost it is dropped
+        from its records, and the model, looked up again, is placed on its
+        other nodes; with none left, a 404 naming the node and the file
+        rather than a worker that cannot load. The entry comes back with
+        its path on the node placed on."""
+        decision, placed = await self.fit_placed(entry, settings, explicit_ctx, slots, embedding, draft)
+        while entry.nodes and self.check_held is not None:
+            missing = await self.check_held(entry.id, placed.node, entry.nodes[placed.node])
+            if missing is None:
+                break
+            again = lookup(entry.id)
+            if again is None or not again.usable:
+                why = f"; {again.reason}" if again is not None and again.reason else ""
+                raise NotFound(missing + why, code="model_file_missing")
+            entry = again
+            decision, placed = await self.fit_placed(entry, settings, explicit_ctx, slots, embedding, draft)
+        if entry.nodes:
+            # Placed only where it is held (_plan): its path on that node.
+            path = entry.nodes[placed.node]
+            entry = msgspec.structs.replace(entry, path=path, files=[path])
+        return entry, decision, placed
 
     async def make_room_by_count(self, model_id: str) -> None:
         deadline = asyncio.get_running_loop().time() + self.cfg.load_wait_timeout
