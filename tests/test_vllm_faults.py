@@ -1,7 +1,7 @@
 """A vLLM worker under faults, through the real server: a client that goes
-away while its long prompt is still being prefilled ends that request at
-vLLM's next prefill chunk, and the worker serves the next request without
-waiting out the prefill; a request in flight during two crashes of vLLM's
+away while its long prompt is still being prefilled, or a background
+response cancelled then, ends that request at vLLM's next prefill chunk, and
+the worker serves the next request without waiting out the prefill; a request in flight during two crashes of vLLM's
 engine core is refused from then on (400 ``request_crashed_worker``), as on
 llama.cpp (tests/test_poison.py), and the model serves everybody else.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -113,6 +114,39 @@ def test_a_client_gone_during_a_long_prefill_ends_it_and_the_next_request_is_ser
     assert stats["requests_cancelled"] == before.get("requests_cancelled", 0) + 1, stats
     # The doomed request generated nothing: it never got past its prefill.
     assert stats["tokens_generated"] - before.get("tokens_generated", 0) == 4 + 1 + 4, stats
+
+
+def test_a_background_response_cancelled_in_its_prefill_frees_the_worker(srv: Server) -> None:
+    """The other way a request is cancelled: ``POST /v1/responses/{id}/cancel``
+    on a background response whose long prompt is still being prefilled."""
+    _ready(srv)
+    before = srv.worker(MODEL)["stats"] or {}
+    with httpx.Client(base_url=srv.base_url, timeout=300) as http:
+        t0 = time.monotonic()
+        full = http.post("/v1/completions", json=_completion(_prompt(4000, "maybe")))
+        assert full.status_code == 200, full.text
+        full_s = time.monotonic() - t0
+        created = http.post("/v1/responses", json={"model": MODEL, "input": _prompt(4000, "never"),
+                                                   "background": True, "max_output_tokens": 16})
+        assert created.status_code == 200, created.text
+        rid = created.json()["id"]
+        while not _in_flight(http.get("/api/workers").json()["workers"]):
+            time.sleep(0.01)
+        time.sleep(min(0.5, full_s / 10))
+        t1 = time.monotonic()
+        cancelled = http.post(f"/v1/responses/{rid}/cancel")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+        after = http.post("/v1/completions", json=_completion("hello", 4))
+        after_s = time.monotonic() - t1
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4, after.text
+        assert http.get(f"/v1/responses/{rid}").json()["status"] == "cancelled"
+    print(f"\nvLLM prefill: {full_s:.2f} s; after a background response was cancelled in its prefill "
+          f"the next request was answered in {after_s:.2f} s")
+    assert full_s > 1.0 and after_s < 0.6 * full_s, (after_s, full_s)
+    stats = srv.wait_worker(lambda w: w["stats"]["tokens_generated"] - before.get("tokens_generated", 0) >= 5,
+                            MODEL)["stats"]
+    assert stats["requests_cancelled"] == before.get("requests_cancelled", 0) + 1, stats
+    assert stats["tokens_generated"] - before.get("tokens_generated", 0) == 1 + 4, stats
 
 
 def _engine_core(pid: int) -> psutil.Process:
