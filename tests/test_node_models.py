@@ -171,7 +171,7 @@ async def test_a_nodes_missing_file_drops_its_record_and_says_which(tmp_path: Pa
 
 def test_deleting_a_model_over_http_removes_it_from_its_node_or_answers_409(tiny_model_path: Path) -> None:
     home = Path(short_tempdir("gvh"))
-    (model,) = _cache(home, {"Tiny-Q8_0.gguf": tiny_model_path.read_bytes()})
+    model, proj = _cache(home, {"Tiny-Q8_0.gguf": tiny_model_path.read_bytes(), "mmproj-Tiny-F16.gguf": b"GGUF p"})
     node_c = _agent(home)
     nodes = AgentNodes({"node-b": _agent(Path(short_tempdir("gvh")))})
     with served(tiny_model_path, nodes) as (base, (app, loop)):
@@ -179,13 +179,15 @@ def test_deleting_a_model_over_http_removes_it_from_its_node_or_answers_409(tiny
 
         async def record() -> None:
             assert runner.node_models is not None
-            await runner.node_models.files.record_download("node-c", "job_x", _download([model], "job_x"),
+            await runner.node_models.files.record_download("node-c", "job_x", _download([model, proj], "job_x"),
                                                            await node_c.read_model(str(model)))
             await runner.node_models.relist()
 
         asyncio.run_coroutine_threadsafe(record(), loop).result(10)
         url = f"{base}/api/models/{MODEL_ID}"
-        assert httpx.get(url, timeout=10).json()["nodes"] == ["node-c"]
+        listed = httpx.get(url, timeout=10).json()
+        # Its projector, downloaded with it there, is linked: it takes images until its worker says.
+        assert listed["nodes"] == ["node-c"] and listed["mmproj"] == str(proj) and listed["vision"] is True
         # A model in the shared directories is the owner's; an unknown one is a 404.
         shared = httpx.delete(f"{base}/api/models/tiny", timeout=10)
         assert shared.status_code == 409 and shared.json()["error"]["code"] == "model_not_removable"
@@ -198,7 +200,7 @@ def test_deleting_a_model_over_http_removes_it_from_its_node_or_answers_409(tiny
         done = httpx.delete(url, timeout=10)
         assert done.status_code == 200, done.text
         assert done.json() == {"id": MODEL_ID, "object": "model", "deleted": True, "nodes": ["node-c"],
-                               "freed_bytes": tiny_model_path.stat().st_size}
+                               "freed_bytes": tiny_model_path.stat().st_size + len(b"GGUF p")}
         assert not model.exists() and not (home / "hub" / "models--org--Tiny-GGUF").exists()
         assert httpx.get(url, timeout=10).status_code == 404
 
@@ -248,3 +250,56 @@ async def test_a_load_goes_to_a_node_that_still_has_the_file_else_says_which_fil
         assert info.value.message == (f"model {MODEL_ID}'s file {held['node-b'][0]} is no longer on node node-b; "
                                       "its record there was dropped")
         assert listed == {} and await files.held_models() == []
+
+
+async def test_a_nodes_projector_goes_with_its_model_and_stays_while_another_quant_needs_it(tmp_path: Path) -> None:
+    """A download with its mmproj into a node's own cache: the model is listed
+    with that projector, a worker placed on a node gets that node's, and
+    removing one quant of the repo keeps the projector the other still uses."""
+    homes = {n: tmp_path / f"{n}-hf" for n in ("node-a", "node-b")}
+    header = hdr.llama_gqa(tmp_path / "big.gguf").read_bytes()
+    agents = {n: _agent(h) for n, h in homes.items()}
+    listed: dict[str, ModelEntry] = {}
+
+    def relist(entries: list[ModelEntry]) -> None:
+        listed.clear()
+        listed.update({e.id: e for e in entries})
+
+    q4_id = "org/Tiny-GGUF/Tiny-Q4_K_M"
+    async with open_store(tmp_path / "state" / "gpuvisor.db") as store:
+        files = NodeFiles(store.db)
+        q8 = {n: _cache(h, {"Tiny-Q8_0.gguf": header, "mmproj-Tiny-F16.gguf": b"GGUF proj " + n.encode(),
+                            "README.md": b"# tiny"}) for n, h in homes.items()}
+        for i, (node, paths) in enumerate(q8.items()):
+            await files.record_download(node, f"job_{i}", _download(paths, f"job_{i}"),
+                                        await agents[node].read_model(str(paths[0])))
+        # A second quant of the same revision on node-a, its download fetching the projector again.
+        (q4,) = _cache(homes["node-a"], {"Tiny-Q4_K_M.gguf": header})
+        proj_a, readme_a = q8["node-a"][1], q8["node-a"][2]
+        await files.record_download("node-a", "job_q4", {**_download([q4, proj_a, readme_a], "job_q4"),
+                                                         "model_id": q4_id},
+                                    await agents["node-a"].read_model(str(q4)))
+        models = NodeModels(files, AgentNodes(agents), relist)
+        await models.relist()
+        entry = listed[MODEL_ID]
+        assert entry.node_mmproj == {n: str(paths[1]) for n, paths in q8.items()}
+        assert entry.mmproj is not None and listed[q4_id].node_mmproj == {"node-a": str(proj_a)}
+        room = Room(_RoomConfig(), {}, {}, _no_drop, asyncio.Event(),
+                    gpus=GpuRoom(None, (), lambda _d: None, 0.1, nodes=_Nodes([_gpu("node-a", 0, 14),
+                                                                               _gpu("node-b", 0, 20)])))
+        placed_entry, _, placed = await room.fit_held(entry, ModelSettings(), False, SlotAsk(4, 4), False, None,
+                                                      listed.get)
+        # On node-b, with node-b's projector: what its worker's --mmproj gets.
+        assert placed.node == "node-b" and placed_entry.mmproj == str(q8["node-b"][1])
+
+        await models.remove(MODEL_ID, _unload_nothing)
+        # node-a keeps the projector and README the Q4 quant still uses; node-b's went with the model.
+        assert not q8["node-a"][0].exists() and proj_a.exists() and readme_a.exists() and q4.exists()
+        assert not (homes["node-b"] / "hub" / "models--org--Tiny-GGUF").exists()
+        assert list(listed) == [q4_id] and listed[q4_id].node_mmproj == {"node-a": str(proj_a)}
+        await models.remove(q4_id, _unload_nothing)
+        assert not (homes["node-a"] / "hub" / "models--org--Tiny-GGUF").exists() and listed == {}
+
+
+async def _unload_nothing(_model_id: str) -> bool:
+    return False

@@ -41,6 +41,8 @@ class HeldModel(msgspec.Struct, frozen=True, kw_only=True):
     revision: str
     info: GgufInfo | None
     recorded_at: float
+    # The vision projector its repo's revision left on that node, if any.
+    mmproj: str | None = None
 
 
 class NodeFiles:
@@ -67,13 +69,19 @@ class NodeFiles:
 
     async def held_models(self) -> list[HeldModel]:
         """Every recorded model on every node, oldest record first."""
+        # The projector is matched by repo and revision, not by job: a later
+        # download of another quant of the repo fetches it again, and its row
+        # then names that job.
         rows = await self.db.reader.execute_fetchall(
             "SELECT f.model_id, f.node, f.local_path, f.repo_id, f.revision, f.header, f.recorded_at, "
             "(SELECT SUM(size) FROM node_files g WHERE g.node = f.node AND g.repo_id = f.repo_id "
-            " AND g.revision = f.revision AND g.job_id = f.job_id) "
+            " AND g.revision = f.revision AND g.job_id = f.job_id), "
+            "(SELECT m.local_path FROM node_files m WHERE m.node = f.node AND m.repo_id = f.repo_id "
+            " AND m.revision = f.revision AND m.model_id IS NULL AND m.repo_path LIKE '%.gguf' "
+            " AND (m.repo_path LIKE 'mmproj%' OR m.repo_path LIKE '%/mmproj%') ORDER BY m.repo_path LIMIT 1) "
             "FROM node_files f WHERE f.model_id IS NOT NULL ORDER BY f.recorded_at, f.node")
         held = []
-        for model_id, node, path, repo_id, revision, header, recorded_at, size in rows:
+        for model_id, node, path, repo_id, revision, header, recorded_at, size, mmproj in rows:
             info = None
             if header is not None:
                 try:
@@ -82,28 +90,33 @@ class NodeFiles:
                     # Written by another version: listed, and sized as a file of unknown shape.
                     log.warning("node %s: the recorded header of %s no longer reads: %s", node, model_id, exc)
             held.append(HeldModel(model_id=model_id, node=node, path=path, size_bytes=int(size or 0),
-                                  repo_id=repo_id, revision=revision, info=info, recorded_at=recorded_at))
+                                  repo_id=repo_id, revision=revision, info=info, recorded_at=recorded_at,
+                                  mmproj=mmproj))
         return held
 
     async def model_files(self, model_id: str) -> dict[str, list[str]]:
-        """Each node that holds the model -> the paths there of every file its
-        download recorded (its shards, its projector, the repo's small files)."""
-        rows = await self.db.reader.execute_fetchall(
-            "SELECT g.node, g.local_path FROM node_files f JOIN node_files g "
-            "ON g.node = f.node AND g.job_id = f.job_id WHERE f.model_id = ? ORDER BY g.node, g.local_path",
-            (model_id,))
+        """Each node that holds the model -> the paths there of its files: its
+        own GGUFs (its first file and shards, from its download), and the
+        files of its repo's revision that are no model (its projector, the
+        README) unless another model of that revision is recorded there too
+        (it needs the projector)."""
+        models = await self.db.reader.execute_fetchall(
+            "SELECT node, job_id, repo_id, revision FROM node_files WHERE model_id = ? ORDER BY node", (model_id,))
         held: dict[str, list[str]] = {}
-        for node, path in rows:
-            held.setdefault(node, []).append(path)
+        for node, job_id, repo_id, revision in models:
+            rows = await self.db.reader.execute_fetchall(
+                "SELECT local_path, repo_path, job_id, model_id FROM node_files "
+                "WHERE node = ? AND repo_id = ? AND revision = ?", (node, repo_id, revision))
+            shared = any(other is not None and other != model_id for *_, other in rows)
+            held[node] = sorted(path for path, repo_path, job, _ in rows
+                                if (job == job_id if is_model_file({"path": repo_path}) else not shared))
         return held
 
-    async def drop(self, model_id: str, node: str) -> int:
-        """Forget the model's files on ``node`` (every row its download
-        recorded there); the rows dropped."""
+    async def drop(self, node: str, paths: list[str]) -> int:
+        """Forget these files on ``node`` (model_files' paths); the rows dropped."""
         async with self.db.write() as conn:
-            cursor = await conn.execute(
-                "DELETE FROM node_files WHERE node = ? AND job_id IN "
-                "(SELECT job_id FROM node_files WHERE model_id = ? AND node = ?)", (node, model_id, node))
+            cursor = await conn.executemany("DELETE FROM node_files WHERE node = ? AND local_path = ?",
+                                            [(node, path) for path in paths])
             return cursor.rowcount
 
 
@@ -134,5 +147,9 @@ def node_entries(held: Sequence[HeldModel]) -> list[ModelEntry]:
             root="", mtime=last.recorded_at, repo_id=last.repo_id, revision=last.revision,
             info=last.info, quantization=last.info.quantization if last.info is not None else None,
             usable=usable, reason=None if usable else "its header could not be read on its node",
-            nodes={h.node: h.path for h in copies}))
+            nodes={h.node: h.path for h in copies},
+            # Linked as the download fetched it with the model; the parent cannot read it to check the fit.
+            mmproj=last.mmproj,
+            projector_note=None if last.mmproj is None else "linked by its download on the node, unchecked",
+            node_mmproj={h.node: h.mmproj for h in copies if h.mmproj is not None}))
     return entries

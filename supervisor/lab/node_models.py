@@ -76,7 +76,7 @@ class NodeModels:
         try:
             for node, paths in held.items():
                 done = await self._remove_on(node, model_id, paths, freed)
-                await self.files.drop(model_id, node)
+                await self.files.drop(node, paths)
                 freed[node] = done.freed_bytes
                 log.info("model %s removed from node %s: %d file(s), %d bytes", model_id, node,
                          len(done.removed), done.freed_bytes)
@@ -112,7 +112,7 @@ class NodeModels:
             # Refused: the path is outside the node's Hub cache now (its HF_HOME
             # changed); the worker loads it by its path, and says so if it cannot.
             return None
-        dropped = await self.files.drop(model_id, node)
+        dropped = await self.files.drop(node, (await self.files.model_files(model_id)).get(node, [path]))
         log.warning("model %s: its file %s is no longer on node %s; dropped its record there (%d file(s))",
                     model_id, path, node, dropped)
         await self.relist()

@@ -46,6 +46,9 @@ class ModelEntry(msgspec.Struct, kw_only=True):
     # A model on cluster nodes' own disks: each node that holds it -> its path there.
     # Empty for a model in the parent's directories, which every node sees.
     nodes: dict[str, str] = {}
+    # Its vision projector on each of those nodes that has one (its download's
+    # mmproj there); the worker placed on a node gets that node's.
+    node_mmproj: dict[str, str] = {}
 
     @property
     def engine(self) -> str:

@@ -180,7 +180,7 @@ class Room:
         if entry.nodes:
             # Placed only where it is held (_plan): its path on that node.
             path = entry.nodes[placed.node]
-            entry = msgspec.structs.replace(entry, path=path, files=[path])
+            entry = msgspec.structs.replace(entry, path=path, files=[path], mmproj=entry.node_mmproj.get(placed.node))
         return entry, decision, placed
 
     async def make_room_by_count(self, model_id: str) -> None:
