@@ -139,6 +139,35 @@ def test_the_pool_is_bounded_and_containers_expire(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir())
 
 
+def test_a_container_made_through_the_api_keeps_its_own_expiry_and_takes_files_once(tmp_path: Path) -> None:
+    now = [1000.0]
+    p = ContainerPool(tmp_path, SandboxSpec(), idle_s=600.0, max_upload_bytes=10, clock=lambda: now[0],
+                      wall=lambda: 5000.0 + now[0])
+    brief = p.create("key-a", name="brief", idle_s=60.0)
+    default = p.create("key-a")
+    assert (brief.created_at, p.last_active_at(brief)) == (6000, 6000)
+    assert [c.id for c in p.visible("key-a")] == [brief.id, default.id] and p.visible("key-b") == []
+    spool, out = p.new_spool()
+    with out:
+        out.write(b"12345")
+    p.take(brief, "a.txt", spool, 5)
+    assert (brief.path / "a.txt").read_bytes() == b"12345" and brief.copied_in == {"a.txt"}
+    # A name taken (a file, or a link the code made) is never written through; bytes past the bound are refused.
+    os.symlink(tmp_path / "elsewhere", brief.path / "link")
+    for name, size in (("a.txt", 1), ("link", 1), ("b.txt", 6)):
+        with pytest.raises(ContainerError):
+            p.take(brief, name, spool, size)
+    assert not (tmp_path / "elsewhere").exists()
+    brief.unlink("link")  # the link goes, not what it names
+    with pytest.raises(ContainerError):
+        brief.unlink("../" + default.id)
+    now[0] += 61
+    assert p.last_active_at(brief) == 6000
+    assert p.expire() == [brief.id]  # its own 60 s, not the pool's 600
+    assert default.path.exists()
+    p.close()
+
+
 async def test_a_folder_the_code_locked_is_still_removed(pool: ContainerPool) -> None:
     container = pool.create()
     run = await pool.run(container, "import os\nos.makedirs('d/e')\nopen('d/e/f', 'w').write('1')\n"

@@ -3,6 +3,7 @@ every response carries security headers."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -14,6 +15,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 # /v1 and /api routes whose body is not JSON (multipart uploads).
 NON_JSON_BODIES = frozenset({"/api/datasets", "/v1/files"})
+# The same, for routes with an id in their path (a container's file upload).
+NON_JSON_PATHS = re.compile(r"/v1/containers/[^/]+/files")
 
 # ``same-origin``, not ``no-referrer``: under no-referrer a browser sends
 # ``Origin: null`` on the sign-in form's POST (and on the UI's own fetches),
@@ -45,7 +48,8 @@ async def require_json(request: web.Request, handler: Handler) -> web.StreamResp
     text/plain or a form to any site without asking, but never JSON. A body
     declared over the limit is refused for its size first (413, unread)."""
     if (request.method not in BODY_METHODS or not request.path.startswith(("/v1/", "/api/"))
-            or request.path in NON_JSON_BODIES or not request.body_exists):
+            or request.path in NON_JSON_BODIES or NON_JSON_PATHS.fullmatch(request.path)
+            or not request.body_exists):
         return await handler(request)
     limit = request.app[CONFIG].max_body_bytes
     if request.content_length is not None and request.content_length > limit:

@@ -22,6 +22,8 @@ import msgspec
 from aiohttp import web
 
 from jobs.kinds import job_kinds
+from supervisor.api.container_files import AddFileById
+from supervisor.api.containers import CreateContainer
 from supervisor.api.job_estimate import EstimateBody
 from supervisor.api.jobs import CancelBody, SubmitBody
 from supervisor.api.openai_types import ChatRequest, CompletionRequest, EmbeddingRequest
@@ -168,6 +170,22 @@ ROUTES: tuple[Operation, ...] = (
     Operation("POST", "/v1/vector_stores/{store_id}/search", "Search a vector store (hybrid: embeddings and words)",
               "vector_stores", body=Search, errors=(400, 404, 409, 502, 503), path_descriptions=_STORE_ID),
     # ---------------------------------------------------------- code_interpreter containers
+    Operation("POST", "/v1/containers", "Create a container (name, file_ids copied from /v1/files, expires_after "
+              "in minutes up to code_interpreter_idle_s, memory_limit)", "containers", body=CreateContainer,
+              errors=(400, 409, 413)),
+    Operation("GET", "/v1/containers", "List the key's containers, newest first", "containers",
+              params=(*_PAGE, _q("name", _STR, "Only containers of this name.")), errors=(400,)),
+    Operation("GET", "/v1/containers/{container_id}", "Retrieve a container", "containers", errors=(400, 404),
+              path_descriptions=_CONTAINER_ID),
+    Operation("DELETE", "/v1/containers/{container_id}", "Delete a container and its files", "containers",
+              errors=(400, 404, 409), path_descriptions=_CONTAINER_ID),
+    Operation("POST", "/v1/containers/{container_id}/files", "Put a file in a container: upload it (multipart "
+              "field `file`) or copy one of the key's files (JSON `file_id`)", "containers", body=AddFileById,
+              form=("multipart/form-data", {"type": "object", "required": ["file"], "properties": {
+                  "file": {"type": "string", "format": "binary"}}}),
+              errors=(400, 404, 409, 413), path_descriptions=_CONTAINER_ID),
+    Operation("DELETE", "/v1/containers/{container_id}/files/{file_id}", "Delete a container's file",
+              "containers", errors=(400, 404), path_descriptions={**_CONTAINER_ID, **_CONTAINER_FILE_ID}),
     Operation("GET", "/v1/containers/{container_id}/files", "List a container's files (oldest first with asc)",
               "containers", params=_PAGE, errors=(400, 404), path_descriptions=_CONTAINER_ID),
     Operation("GET", "/v1/containers/{container_id}/files/{file_id}", "Retrieve a container's file", "containers",
@@ -295,13 +313,16 @@ def _submit_schema(components: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _request_body(op: Operation, refs: Mapping[type, Any], components: Mapping[str, Any]) -> dict[str, Any] | None:
+    content: dict[str, Any] = {}
     if op.form is not None:
-        media, schema = op.form
-        return {"required": True, "content": {media: {"schema": dict(schema)}}}
-    if op.body is None:
+        media, form = op.form
+        content[media] = {"schema": dict(form)}
+    if op.body is not None:
+        # With a form too: either is taken (a container file: an upload, or a file_id as JSON).
+        content[JSON] = {"schema": _submit_schema(components) if op.body is SubmitBody else refs[op.body]}
+    if not content:
         return None
-    schema = _submit_schema(components) if op.body is SubmitBody else refs[op.body]
-    return {"required": op.body_required, "content": {JSON: {"schema": schema}}}
+    return {"required": op.form is not None or op.body_required, "content": content}
 
 
 def _parameters(op: Operation) -> list[dict[str, Any]]:

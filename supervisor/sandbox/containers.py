@@ -30,6 +30,8 @@ from supervisor.sandbox.runner import RunResult, SandboxLimits, SandboxSpec, run
 MAX_FILE_NAME = 255
 MAX_LISTED_FILES = 64
 MAX_SCANNED_ENTRIES = 4096
+# Uploads being written, in the pool's root beside the containers' folders.
+SPOOL_PREFIX = "upload_"
 
 
 class ContainerError(Exception):
@@ -41,6 +43,14 @@ class PoolFull(ContainerError):
 
 
 class UnknownContainer(ContainerError):
+    pass
+
+
+class NameTaken(ContainerError):
+    pass
+
+
+class UploadTooLarge(ContainerError):
     pass
 
 
@@ -60,8 +70,8 @@ class CodeRun:
 
 def check_name(name: str) -> str:
     """A file name for an upload: a plain name, no folders."""
-    if not name or len(name) > MAX_FILE_NAME or "/" in name or "\0" in name or name in (".", ".."):
-        raise ContainerError(f"invalid file name {name[:80]!r}: a plain name of at most {MAX_FILE_NAME} characters")
+    if not name or len(name.encode()) > MAX_FILE_NAME or "/" in name or "\0" in name or name in (".", ".."):
+        raise ContainerError(f"invalid file name {name[:80]!r}: a plain name of at most {MAX_FILE_NAME} bytes")
     return name
 
 
@@ -74,8 +84,17 @@ class Container:
     # The API key that made it (None: the admin, or a service with no keys):
     # only that key (and the admin) may run code in it.
     owner: str | None = None
-    # Names of the files copied in from /v1/files (listed with source "user").
+    # Names of the files copied in from /v1/files or uploaded (listed with source "user").
     copied_in: set[str] = field(default_factory=set)
+    # What POST /v1/containers gave it: a name, its own idle time before it
+    # expires (None: the pool's), a memory limit for its runs (None: the pool's).
+    name: str = ""
+    idle_s: float | None = None
+    memory_mib: int | None = None
+    # Wall-clock second it was made, for the API (last_used is the pool's clock).
+    created_at: int = 0
+    # Bytes put in through the API and file_ids: bounded by the pool's max_upload_bytes.
+    given_bytes: int = 0
 
     def usable_by(self, scope: str | None) -> bool:
         return scope is None or self.owner == scope
@@ -85,6 +104,26 @@ class Container:
         True when there were more."""
         found, truncated = scan(self.path)
         return [FileInfo(name, size) for name, (size, _) in sorted(found.items())], truncated
+
+    def unlink(self, name: str) -> None:
+        """Remove the file ``name`` (relative, "/"-separated): each folder on
+        the way opened without following a link; the last part is unlinked
+        itself (a link the code made there is removed, not what it points at)."""
+        parts = name.split("/")
+        if any(p in ("", ".", "..") for p in parts):
+            raise ContainerError(f"invalid file name {name[:80]!r}")
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for part in parts[:-1]:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            os.unlink(parts[-1], dir_fd=fd)
+        except OSError as exc:
+            raise ContainerError(f"no file {name[:80]!r} in container {self.id}") from exc
+        finally:
+            os.close(fd)
+        self.copied_in.discard(name)
 
     def open(self, name: str, max_bytes: int) -> tuple[BinaryIO, int]:
         """(the open file, its size) of the regular file ``name``: each folder
@@ -129,13 +168,16 @@ class ContainerPool:
     """The containers of one service; the clock is injected for tests."""
 
     def __init__(self, root: Path, spec: SandboxSpec, *, max_containers: int = 16, idle_s: float = 1200.0,
-                 max_upload_bytes: int = 64 << 20, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_upload_bytes: int = 64 << 20, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         self.root = root
         self.spec = spec
         self.max_containers = max_containers
         self.idle_s = idle_s
         self.max_upload_bytes = max_upload_bytes
         self._clock = clock
+        self._wall = wall
+        # In the order they were made: the API lists them so.
         self._containers: dict[str, Container] = {}
 
     def __len__(self) -> int:
@@ -152,7 +194,10 @@ class ContainerPool:
         if ids is not None:
             os.chown(path, *ids)
 
-    def create(self, owner: str | None = None) -> Container:
+    def create(self, owner: str | None = None, *, name: str = "", idle_s: float | None = None,
+               memory_mib: int | None = None) -> Container:
+        """A new container of ``owner``; ``idle_s`` (at most the pool's) and
+        ``memory_mib`` replace the pool's for it."""
         self.expire()
         if len(self._containers) >= self.max_containers:
             raise PoolFull(f"too many containers ({self.max_containers}); reuse one or wait for one to expire")
@@ -161,9 +206,51 @@ class ContainerPool:
         path = self.root / cid
         path.mkdir(mode=0o700)
         self._own(path)
-        container = Container(cid, path, self._clock(), owner=owner)
+        container = Container(cid, path, self._clock(), owner=owner, name=name, idle_s=idle_s,
+                              memory_mib=memory_mib, created_at=int(self._wall()))
         self._containers[cid] = container
         return container
+
+    def visible(self, scope: str | None) -> list[Container]:
+        """The live containers ``scope`` may see, oldest first."""
+        self.expire()
+        return [c for c in self._containers.values() if c.usable_by(scope)]
+
+    def last_active_at(self, container: Container) -> int:
+        """The wall-clock second the container was last used."""
+        return int(self._wall() - (self._clock() - container.last_used))
+
+    def idle_s_of(self, container: Container) -> float:
+        return self.idle_s if container.idle_s is None else container.idle_s
+
+    def new_spool(self) -> tuple[Path, BinaryIO]:
+        """A new, empty file in the pool's root (no container's folder) for an
+        upload to be written to as it arrives; :meth:`take` moves it in.
+        The caller removes it if it is not taken."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / f"{SPOOL_PREFIX}{secrets.token_hex(16)}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        return path, os.fdopen(fd, "wb")
+
+    def take(self, container: Container, name: str, spool: Path, size: int) -> None:
+        """Move the uploaded file ``spool`` (in the pool's root, the same
+        file system) into the container as ``name``, at once: a hard link
+        never replaces a name already there (a file, a folder, a link the
+        code made), and a run never sees half a file. ContainerError when
+        the name is taken or the container's uploads would pass
+        ``max_upload_bytes``."""
+        check_name(name)
+        if container.given_bytes + size > self.max_upload_bytes:
+            raise UploadTooLarge(f"container {container.id} would take in {container.given_bytes + size} bytes "
+                                 f"of files, over the limit of {self.max_upload_bytes}")
+        self._own(spool)
+        try:
+            os.link(spool, container.path / name, follow_symlinks=False)
+        except FileExistsError as exc:
+            raise NameTaken(f"a file named {name[:80]!r} is in container {container.id} already") from exc
+        container.given_bytes += size
+        container.copied_in.add(name)
+        container.last_used = self._clock()
 
     def get(self, cid: str, scope: str | None = None) -> Container:
         """The container ``cid``, if the caller ``scope`` may use it (another
@@ -204,15 +291,20 @@ class ContainerPool:
         """Remove the containers idle for ``idle_s`` (not one running code)."""
         now = self._clock() if now is None else now
         gone = [c for c in self._containers.values()
-                if now - c.last_used >= self.idle_s and not c.lock.locked()]
+                if now - c.last_used >= self.idle_s_of(c) and not c.lock.locked()]
         for container in gone:
             self.remove(container.id)
         return [c.id for c in gone]
 
     def remove(self, cid: str) -> None:
-        container = self._containers.pop(cid, None)
+        container = self.detach(cid)
         if container is not None:
             remove_tree(container.path)
+
+    def detach(self, cid: str) -> Container | None:
+        """Take the container out of the pool (no one finds it any more); the
+        caller removes its folder, perhaps in a thread."""
+        return self._containers.pop(cid, None)
 
     def close(self) -> None:
         for cid in list(self._containers):

@@ -110,5 +110,6 @@ def copy_in(container: Container, sources: list[tuple[str, Path]], owner_ids: tu
             (container.path / name).unlink(missing_ok=True)
             raise
         container.copied_in.add(name)
+        container.given_bytes += source.stat().st_size
         copied.append(name)
     return copied

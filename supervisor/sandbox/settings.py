@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 
 from supervisor.config import Config
-from supervisor.sandbox.containers import ContainerPool, remove_tree
+from supervisor.sandbox.containers import SPOOL_PREFIX, ContainerPool, remove_tree
 from supervisor.sandbox.runner import SandboxLimits, SandboxSpec, probe
 
 log = logging.getLogger(__name__)
 
+# The names this pool makes in its root: containers' folders and uploads being written.
 _CONTAINER_NAME = re.compile(r"cntr_[0-9a-f]{32}")
+_SPOOL_NAME = re.compile(SPOOL_PREFIX + r"[0-9a-f]{32}")
 
 
 def hidden_paths(cfg: Config) -> tuple[str, ...]:
@@ -51,6 +53,9 @@ def remove_leftovers(root: Path) -> list[str]:
             if _CONTAINER_NAME.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()]
     for entry in gone:
         remove_tree(entry)
+    for entry in root.iterdir():
+        if _SPOOL_NAME.fullmatch(entry.name) and entry.is_file() and not entry.is_symlink():
+            entry.unlink()  # an upload cut off by the stop
     return [entry.name for entry in gone]
 
 
@@ -64,8 +69,9 @@ async def open_pool(cfg: Config) -> tuple[ContainerPool | None, str | None]:
     left = await asyncio.to_thread(remove_leftovers, root)
     if left:
         log.info("removed %d container folders of an earlier run from %s", len(left), root)
+    # A container takes in (file_ids, uploads) at most what one run may write in one file.
     pool = ContainerPool(root, spec, max_containers=cfg.code_interpreter_max_containers,
-                         idle_s=cfg.code_interpreter_idle_s)
+                         idle_s=cfg.code_interpreter_idle_s, max_upload_bytes=cfg.code_interpreter_file_mib << 20)
     trial = pool.create()
     try:
         reason = await probe(spec, trial.path)

@@ -68,7 +68,7 @@ PARAMETERS: dict[str, Any] = {
 # An image a run writes is stored in the response as a data URL: bounded so
 # a few plots fit, not a folder of photos.
 MAX_IMAGE_BYTES = 1 << 20
-_MEMORY_LIMITS_MIB = {"1g": 1024, "4g": 4096, "16g": 16384, "64g": 65536}
+MEMORY_LIMITS_MIB = {"1g": 1024, "4g": 4096, "16g": 16384, "64g": 65536}
 # Files a request may copy into its container (their bytes together are
 # bounded by the pool's max_upload_bytes).
 MAX_INPUT_FILES = 32
@@ -220,8 +220,10 @@ class CodeSession:
             item.outputs, item.status = [CodeLogs(f"[not run: the files could not be copied in: {exc}]\n")], "failed"
             return
         limits = self.pool.spec.limits
-        if self.memory_mib is not None and self.memory_mib < limits.memory_mib:
-            limits = replace(limits, memory_mib=self.memory_mib)
+        # The tool's auto memory_limit, else the one the container was made with (POST /v1/containers).
+        memory = self.memory_mib if self.memory_mib is not None else container.memory_mib
+        if memory is not None and memory < limits.memory_mib:
+            limits = replace(limits, memory_mib=memory)
         try:
             run = await asyncio.wait_for(self.pool.run(container, item.code, limits), limit_s)
         except TimeoutError:
@@ -288,9 +290,7 @@ class CodeSession:
 async def code_inputs(tools: list[Any], files: FileStore | None, owner: str | None,
                       max_bytes: int) -> list[tuple[str, Path]]:
     """The (name, path) of each file the code_interpreter tool's ``file_ids``
-    name, each one ``owner`` may see; a 400 naming the id for one it may
-    not (or that does not exist), two of one name, or a 413 past
-    ``max_bytes`` together."""
+    name, checked as :func:`input_files` checks them."""
     found = code_tools(tools)
     if not found or not isinstance(found[0][1].container, CodeInterpreterAuto):
         return []
@@ -300,29 +300,39 @@ async def code_inputs(tools: list[Any], files: FileStore | None, owner: str | No
     if ids and files is None:
         raise BadRequest(f"code_interpreter tool tools[{i}]: files are not available on this server",
                          param=f"tools[{i}].container.file_ids")
+    if files is None:
+        return []
+    return await input_files(ids, files, owner, max_bytes, f"tools[{i}].container.file_ids",
+                             f"code_interpreter tool tools[{i}]: ")
+
+
+async def input_files(ids: list[str], files: FileStore, owner: str | None, max_bytes: int, param: str,
+                      label: str = "", *, one: bool = False) -> list[tuple[str, Path]]:
+    """The (name, path) of each file ``ids`` name (a file named twice is
+    one), each one ``owner`` may see; a 400 naming ``param[j]`` (``param``
+    itself when ``one`` id is the field) for one it may not (or that does
+    not exist), two of one name, or a 413 past ``max_bytes`` together.
+    ``label`` starts each message."""
     out: list[tuple[str, Path]] = []
     total = 0
     for j, fid in enumerate(ids):
-        assert files is not None
         if fid in ids[:j]:
             continue  # named twice: one file
-        param = f"tools[{i}].container.file_ids[{j}]"
+        at = param if one else f"{param}[{j}]"
         try:
-            rec = await files.get(checked_id(fid, FILE_PREFIX, param), owner)
+            rec = await files.get(checked_id(fid, FILE_PREFIX, at), owner)
         except NotFound as exc:
-            raise BadRequest(f"code_interpreter tool tools[{i}]: no file with id {fid!r}", param=param,
-                             code="file_not_found") from exc
+            raise BadRequest(f"{label}no file with id {fid!r}", param=at, code="file_not_found") from exc
         name = rec.filename
         if len(name.encode()) > MAX_FILE_NAME:
-            raise BadRequest(f"code_interpreter tool tools[{i}]: file {fid} has a name longer than "
-                             f"{MAX_FILE_NAME} bytes, more than a container's folder takes", param=param)
+            raise BadRequest(f"{label}file {fid} has a name longer than {MAX_FILE_NAME} bytes, more than a "
+                             "container's folder takes", param=at)
         if any(name == taken for taken, _ in out):
-            raise BadRequest(f"code_interpreter tool tools[{i}]: two files are named {name!r}; the code opens "
-                             "them by name", param=param)
+            raise BadRequest(f"{label}two files are named {name!r}; the code opens them by name", param=at)
         total += rec.bytes
         if total > max_bytes:
-            raise PayloadTooLarge(f"code_interpreter tool tools[{i}]: the files come to more than {max_bytes} "
-                                  "bytes, the most a container takes in", param=f"tools[{i}].container.file_ids")
+            raise PayloadTooLarge(f"{label}the files come to more than {max_bytes} bytes, the most a container "
+                                  "takes in", param=param)
         out.append((name, files.path(rec.id)))
     return out
 
@@ -342,7 +352,7 @@ def open_code(tools: list[Any], items: list[Item], containers: Containers,
             return CodeSession(containers.pool, owner, named=cid)
         case CodeInterpreterAuto(memory_limit=memory):
             return CodeSession(containers.pool, owner, earlier=_earlier_container(items),
-                               memory_mib=_MEMORY_LIMITS_MIB[memory] if memory else None)
+                               memory_mib=MEMORY_LIMITS_MIB[memory] if memory else None)
     return None
 
 
