@@ -26,6 +26,7 @@ from supervisor.service.systemd import Notifier
 from supervisor.workers.node_agent import NodeAgent
 from tests.agent_nodes import AgentNodes
 from tests.browser import new_page
+from tests.test_job_estimate import write_model
 from tests.server import poll_until, short_tempdir
 
 pytestmark = pytest.mark.timeout(180)
@@ -33,15 +34,22 @@ GIB = 1 << 30
 
 
 @contextmanager
-def served(tiny_model_path: Path, nodes: AgentNodes | None) -> Iterator[tuple[str, Any]]:
+def served(tiny_model_path: Path, nodes: AgentNodes | None,
+           finetune: bool = False) -> Iterator[tuple[str, Any]]:
     """A whole gpuvisor app served on loopback from a thread of its own (its
-    base URL and app); ``nodes`` is its cluster as the job runner sees it."""
+    base URL and app); ``nodes`` is its cluster as the job runner sees it.
+    ``finetune``: a small Hugging Face model and a dataset to fine-tune on."""
     state = short_tempdir("gvs")
     models = state / "models"
     models.mkdir()
     # Two models, so that none is preloaded: no worker is needed here.
     for name in ("tiny.gguf", "tiny-b.gguf"):
         (models / name).symlink_to(tiny_model_path)
+    if finetune:
+        write_model(models / "tiny-ft")
+        (state / "datasets").mkdir()
+        (state / "datasets" / "chat.jsonl").write_text(
+            '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
     cfg = load_config({"state_dir": str(state), "models_dir": str(models)},
                       environ={"GPUVISOR_PORT": "0", "OMP_NUM_THREADS": "1"})
     app = build_app(cfg)
@@ -142,6 +150,12 @@ def test_without_a_cluster_the_form_offers_no_node(browser: Any, tiny_model_path
             pg.wait_for_load_state("networkidle")
             assert form.locator('[data-field="node"]').is_hidden()
             assert not form.get_by_label("Node").is_visible()
+            # Nor does the fine-tune's, whose choice is the form's own.
+            pg.goto(f"{base}/#/jobs?new=finetune")
+            finetune = pg.locator("form#submit-finetune")
+            finetune.locator('[data-field="model"] input').wait_for()
+            pg.wait_for_load_state("networkidle")
+            assert finetune.locator('[data-field="node"]').is_hidden()
             watch.check()
         finally:
             context.close()
@@ -168,5 +182,64 @@ def test_a_cluster_that_does_not_answer_leaves_the_node_field_saying_why(browser
             assert "could not be listed" in help_text and "no answer from the Ray cluster" in help_text, help_text
             # The browser reports the 503 itself; nothing else went wrong.
             watch.check(allow=("503",))
+        finally:
+            context.close()
+
+
+def test_a_person_picks_a_node_for_a_finetune_and_its_estimate_follows(browser: Any, tiny_model_path: Path) -> None:
+    """The fine-tune form's Node choice: a node's GPUs are sent as gpu_ids
+    (the first as many as GPUs asks), the memory estimate is set against
+    that node's GPUs, a count the node cannot give is refused before
+    anything is sent, and the job runs on that node."""
+    nodes = AgentNodes({"node-b": NodeAgent(str(short_tempdir("gvj"))),
+                        "node-c": NodeAgent(str(short_tempdir("gvj")))})
+    with served(tiny_model_path, nodes, finetune=True) as (base, served_app):
+        _book_gpus(served_app, "node-b", 2)
+        context, pg, watch = new_page(browser, base)
+        try:
+            pg.goto(f"{base}/#/jobs?new=finetune")
+            form = pg.locator("form#submit-finetune")
+            node = form.locator('[data-field="node"]')
+            choice = node.locator("select")
+            choice.wait_for()
+            assert node.locator("label").inner_text().strip() == "Node"
+            assert [o.strip() for o in choice.locator("option").all_inner_texts()] == [
+                "this machine", "node-b · 2 GPUs", "node-c · no GPU"]
+            # A node without a GPU cannot run a fine-tune: it cannot be picked.
+            assert choice.locator('option[value="node-c"]').is_disabled()
+            form.locator("details.more > summary").click()
+            form.locator("#submit-finetune-model").fill("tiny-ft")
+            form.locator("#submit-finetune-train").fill("chat.jsonl")
+            devices = pg.locator(".estimate .estimate-devices")
+            devices.wait_for()
+            assert "node-b" not in devices.inner_text()
+            choice.select_option("node-b")
+            pg.wait_for_function("() => document.querySelector('.estimate .estimate-devices')"
+                                 "?.textContent.startsWith('node-b/cuda:0')")
+            assert devices.inner_text() == "node-b/cuda:0: 20.0 GiB free of 24.0 GiB"
+            # Three GPUs of a node that has two: said in the estimate and under GPUs, and nothing is sent.
+            form.locator("#submit-finetune-gpus").fill("3")
+            refused = pg.locator(".estimate .estimate-none")
+            refused.wait_for()
+            assert refused.inner_text() == "No memory estimate: node node-b has 2 GPUs; GPUs asks 3"
+            form.get_by_role("button", name="Submit finetune job").click()
+            assert form.locator('[data-field="gpus"] .field-error').inner_text() == "node node-b has 2 GPUs; GPUs asks 3"
+            assert nodes.started == []
+            form.locator("#submit-finetune-gpus").fill("2")
+            pg.wait_for_function("() => document.querySelector('.estimate .estimate-devices')"
+                                 "?.textContent.includes('node-b/cuda:1')")
+            assert devices.inner_text().split(" · ") == [
+                "node-b/cuda:0: 20.0 GiB free of 24.0 GiB", "node-b/cuda:1: 20.0 GiB free of 24.0 GiB"]
+            form.get_by_role("button", name="Submit finetune job").click()
+            pg.wait_for_url("**/#/jobs/job_*")
+            job_id = pg.url.rsplit("/", 1)[1]
+            job = _job(base, job_id)
+            assert job["params"]["gpu_ids"] == ["node-b/cuda:0", "node-b/cuda:1"] and "node" not in job["params"]
+            started = poll_until(lambda: _job(base, job_id), lambda j: j["status"] != "queued", timeout=60)
+            assert started["node"] == "node-b"
+            assert [j.node for j in nodes.started] == ["node-b"]
+            httpx.post(f"{base}/api/jobs/{job_id}/cancel", json={}, timeout=10)
+            poll_until(lambda: _job(base, job_id), lambda j: j["status"] not in ("queued", "running"), timeout=60)
+            watch.check()
         finally:
             context.close()

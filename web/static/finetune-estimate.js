@@ -85,7 +85,9 @@ function renderEstimate(body) {
 }
 
 // Attach to a SchemaForm of the finetune kind: returns the panel element.
-export function attachEstimate(form) {
+// ``placed`` turns the form's params into those the job is sent with (a
+// node's GPUs when a node is picked): {params} or {error}.
+export function attachEstimate(form, placed = (params) => ({ params })) {
   const panel = h('section', { class: 'estimate card-inset', 'aria-live': 'polite', 'aria-label': 'Memory estimate' });
   let timer = null;
   let asked = 0; // only the latest answer is shown
@@ -95,7 +97,13 @@ export function attachEstimate(form) {
   }
 
   async function ask() {
-    const params = quietRead(form);
+    const onIt = placed(quietRead(form));
+    const params = onIt.params || {};
+    if (onIt.error) {
+      clearCosts();
+      replace(panel, h('p', { class: 'muted small estimate-none', text: `No memory estimate: ${onIt.error}` }));
+      return;
+    }
     if (!params.model) {
       clearCosts();
       replace(panel, h('p', { class: 'muted small', text: 'Pick a model to see how much memory the fine-tune needs.' }));

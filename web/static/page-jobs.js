@@ -134,22 +134,53 @@ function datasetUpload(form) {
 // cluster's alive nodes and "this machine" (nothing sent). Hidden without a
 // cluster, where the server refuses any node. When the nodes cannot be
 // listed (the cluster does not answer), the text field stays, saying why.
-function nodeChoice(field, clusterNodes) {
+// A fine-tune books GPUs, so its Node (``books``) names a node's GPUs: a
+// node without one cannot be picked, and without a list there is nothing
+// to pick from (its GPUs can still be named in GPU ids).
+function nodeChoice(field, clusterNodes, books = false) {
   if (!field) return;
   field.el.hidden = true;
   clusterNodes.then(({ nodes, error }) => {
     if (error) {
-      field.el.querySelector('.field-help').textContent =
-        `The cluster's nodes could not be listed (${error.message}). Type a node's name, or leave it empty for this machine.`;
+      field.el.querySelector('.field-help').textContent = books
+        ? `The cluster's nodes could not be listed (${error.message}). To run it on a node, name that node's GPUs in GPU ids (node-b/cuda:0).`
+        : `The cluster's nodes could not be listed (${error.message}). Type a node's name, or leave it empty for this machine.`;
+      if (books) field.input.disabled = true;
       field.el.hidden = false;
       return;
     }
     if (!nodes) return;
     const gpus = (n) => (n.devices.length ? `${n.devices.length} GPU${n.devices.length === 1 ? '' : 's'}` : 'no GPU');
     field.setOptions([{ value: '', label: 'this machine' }, ...nodes.map((n) => ({ value: n.name, label: `${n.name} · ${gpus(n)}` }))],
-      'Where the job runs: this machine, or a node of the cluster (it books no GPU there; paths are the shared directories).');
+      books
+        ? "Where the fine-tune runs: this machine, or a node of the cluster, on that node's first GPUs (as many as GPUs asks); paths are the shared directories."
+        : 'Where the job runs: this machine, or a node of the cluster (it books no GPU there; paths are the shared directories).');
+    if (books) {
+      for (const option of field.input.options) {
+        option.disabled = Boolean(option.value) && !nodes.find((n) => n.name === option.value)?.devices.length;
+      }
+    }
     field.el.hidden = false;
   });
+}
+
+// A fine-tune on a node: its params with that node's GPUs in gpu_ids (the
+// first ``gpus`` of them), as the estimate and the submit both send them;
+// {error, field} when the node cannot give what the form asks.
+function onNode(params, node, nodes) {
+  if (!node) return { params };
+  const devices = nodes?.find((n) => n.name === node)?.devices || [];
+  if (params.gpu_ids) {
+    const elsewhere = params.gpu_ids.filter((id) => !devices.includes(id));
+    return elsewhere.length
+      ? { error: `GPU ids name ${elsewhere.join(', ')}, not a GPU of node ${node} (${devices.join(', ') || 'none'})`, field: 'gpu_ids' }
+      : { params };
+  }
+  const count = params.gpus ?? 1;
+  if (count > devices.length) {
+    return { error: `node ${node} has ${devices.length} GPU${devices.length === 1 ? '' : 's'}; GPUs asks ${count}`, field: 'gpus' };
+  }
+  return { params: { ...params, gpu_ids: devices.slice(0, count) } };
 }
 
 function submitPanel(kinds, onCreated, query) {
@@ -165,6 +196,8 @@ function submitPanel(kinds, onCreated, query) {
   const noGpu = leaseDevices().then(cpuOnly);
   // The cluster's alive nodes, for the kinds that may name one; null: no cluster.
   const clusterNodes = getJson('api/jobs/nodes').then((b) => ({ nodes: b.cluster ? b.data : null }), (error) => ({ error }));
+  let listedNodes = null;
+  clusterNodes.then(({ nodes }) => { listedNodes = nodes; });
 
   function show(kind, prefill = {}) {
     current = kind;
@@ -186,7 +219,11 @@ function submitPanel(kinds, onCreated, query) {
 
   function buildForm(kind, prefill) {
     const text = fieldText(kind.kind);
-    const form = new SchemaForm(`submit-${kind.kind}`, kind.schema, { ...text, extra: PRIORITY_FIELD, submitLabel: `Submit ${kind.kind} job` });
+    // A fine-tune takes no node param: its Node choice is the form's own, sent as that node's gpu_ids.
+    const booksNode = kind.kind === 'finetune';
+    const extra = booksNode ? { ...PRIORITY_FIELD, node: { type: 'string', description: '' } } : PRIORITY_FIELD;
+    const form = new SchemaForm(`submit-${kind.kind}`, kind.schema, { ...text, extra, submitLabel: `Submit ${kind.kind} job` });
+    const placed = (params) => onNode(params, booksNode ? form.field('node').read().value : null, listedNodes);
     for (const [name, value] of Object.entries(prefill)) form.field(name)?.setValue(value);
     choices.then((c) => {
       for (const f of form.fields) if (c[`${kind.kind}:${f.name}`]) f.setSuggestions(c[`${kind.kind}:${f.name}`]);
@@ -198,7 +235,7 @@ function submitPanel(kinds, onCreated, query) {
         if (f) f.el.hidden = true;
       }
     });
-    nodeChoice(form.field('node'), clusterNodes);
+    nodeChoice(form.field('node'), clusterNodes, booksNode);
     const upload = kind.kind === 'dataset' ? datasetUpload(form) : null;
     if (upload) form.el.prepend(upload.el);
     const noticeHost = h('div', { class: 'kind-notice' });
@@ -215,7 +252,7 @@ function submitPanel(kinds, onCreated, query) {
     if (nodeEl) form.el.querySelector('.grid').append(nodeEl);
     // What the fine-tune needs per GPU, asked again as the settings change.
     // Above "More options", in sight of the fields first filled in.
-    if (kind.kind === 'finetune' && kind.available !== false) (form.moreEl || renameHost).before(attachEstimate(form));
+    if (kind.kind === 'finetune' && kind.available !== false) (form.moreEl || renameHost).before(attachEstimate(form, placed));
     const label = `Submit ${kind.kind} job`;
 
     async function submitJob(params, priority) {
@@ -278,7 +315,13 @@ function submitPanel(kinds, onCreated, query) {
           return;
         }
       }
-      await submitJob(read.params, priority);
+      const onIt = placed(read.params);
+      if (onIt.error) {
+        form.field(onIt.field).setError(onIt.error);
+        form.focusFirstError();
+        return;
+      }
+      await submitJob(onIt.params, priority);
     });
     return h('div', {}, h('p', { class: 'muted small kind-description', text: kind.description }), noticeHost, form.el);
   }
