@@ -202,11 +202,12 @@ async def test_arguments_without_code_fail_the_call(pool: ContainerPool) -> None
 
 async def test_a_full_pool_fails_the_call_not_the_response(pool: ContainerPool) -> None:
     full = ContainerPool(pool.root, pool.spec, max_containers=1)
-    full.create()
+    running = full.create()
     try:
-        loop = _loop(full)
-        item = _call(loop, "print(1)")
-        await loop._result(item)
+        async with running.lock:  # running code: a full pool of those has no room
+            loop = _loop(full)
+            item = _call(loop, "print(1)")
+            await loop._result(item)
         assert item.status == "failed" and "too many containers" in _logs(item)
         assert item.container_id == ""
     finally:

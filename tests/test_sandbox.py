@@ -123,8 +123,6 @@ def test_the_pool_is_bounded_and_containers_expire(tmp_path: Path) -> None:
     first = p.create()
     p.upload(first, "f.txt", b"data")
     second = p.create()
-    with pytest.raises(PoolFull):
-        p.create()
     now[0] += 30
     p.get(second.id)  # used: its idle time starts again
     now[0] += 40
@@ -137,6 +135,28 @@ def test_the_pool_is_bounded_and_containers_expire(tmp_path: Path) -> None:
     assert len(p) == 2
     p.close()
     assert not any(tmp_path.iterdir())
+
+
+async def test_a_full_pool_makes_room_by_removing_the_least_recently_used_idle_container(tmp_path: Path) -> None:
+    now = [1000.0]
+    p = ContainerPool(tmp_path, SandboxSpec(), max_containers=3, clock=lambda: now[0])
+    oldest, busy, recent = p.create("key-a"), p.create("key-b"), p.create("key-a")
+    now[0] += 10
+    p.get(recent.id, "key-a")  # used since: the most recent
+    async with busy.lock:  # running code: never removed, however long ago it started
+        now[0] += 10
+        fourth = p.create("key-c")  # across keys: key-a's idle container goes
+        assert not oldest.path.exists()
+        with pytest.raises(UnknownContainer):
+            p.get(oldest.id, "key-a")
+        assert {c.id for c in p.visible(None)} == {busy.id, recent.id, fourth.id}
+        fifth = p.create("key-c")  # then the next least recently used idle one
+        assert {c.id for c in p.visible(None)} == {busy.id, fourth.id, fifth.id}
+        async with fourth.lock, fifth.lock:
+            with pytest.raises(PoolFull, match="running code"):
+                p.create("key-a")  # only when every one is running
+        assert len(p) == 3
+    p.close()
 
 
 def test_a_container_made_through_the_api_keeps_its_own_expiry_and_takes_files_once(tmp_path: Path) -> None:

@@ -4,8 +4,9 @@
 its id (``cntr_...``) names it in later calls. Files are uploaded into it
 and the files a run writes are listed back (name and size; the bytes on
 request, bounded). A container idle for ``idle_s`` expires: its folder is
-removed. The pool holds at most ``max_containers``; a full pool refuses a
-new one (:class:`PoolFull`) rather than evict one in use.
+removed. The pool holds at most ``max_containers``; a full pool removes the
+least recently used container not running code to make room, and refuses a
+new one (:class:`PoolFull`) only when every one is running code.
 
 The parent reads what the code wrote as untrusted: only regular files, never
 through a symlink (``O_NOFOLLOW``, ``lstat``), bounded in number and size,
@@ -15,6 +16,7 @@ so a link to the state dir or a huge file gives nothing away.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import shutil
@@ -26,6 +28,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from supervisor.sandbox.runner import RunResult, SandboxLimits, SandboxSpec, run_code
+
+log = logging.getLogger(__name__)
 
 MAX_FILE_NAME = 255
 MAX_LISTED_FILES = 64
@@ -200,7 +204,7 @@ class ContainerPool:
         ``memory_mib`` replace the pool's for it."""
         self.expire()
         if len(self._containers) >= self.max_containers:
-            raise PoolFull(f"too many containers ({self.max_containers}); reuse one or wait for one to expire")
+            self._evict()
         self.root.mkdir(parents=True, exist_ok=True)
         cid = "cntr_" + secrets.token_hex(16)
         path = self.root / cid
@@ -210,6 +214,23 @@ class ContainerPool:
                               memory_mib=memory_mib, created_at=int(self._wall()))
         self._containers[cid] = container
         return container
+
+    def _evict(self) -> None:
+        """Make room in a full pool: remove the least recently used container
+        that is not running code, whoever's it is. A busy lab fills the pool
+        with containers of conversations that have moved on long before they
+        expire; refusing a new conversation for them would stop work that
+        can go on, while the one removed is the one least likely to be used
+        again (its next call fails as an expired one does). PoolFull only
+        when every container is running code."""
+        idle = [c for c in self._containers.values() if not c.lock.locked()]
+        if not idle:
+            raise PoolFull(f"too many containers: all {self.max_containers} are running code; "
+                           "try again when a run ends")
+        victim = min(idle, key=lambda c: c.last_used)
+        log.info("container pool full (%d): removed %s, idle %.0f s, the least recently used",
+                 self.max_containers, victim.id, self._clock() - victim.last_used)
+        self.remove(victim.id)
 
     def visible(self, scope: str | None) -> list[Container]:
         """The live containers ``scope`` may see, oldest first."""
