@@ -55,14 +55,14 @@ def test_ngram_and_a_draft_dir_of_the_same_vocabulary_are_planned(lib: Library) 
     drafted = plan_speculative(lib.entries["target"], ModelSettings(speculative="draft", draft_model="small"), lib)
     assert (drafted.options.mode, drafted.options.draft_model) == ("draft", lib.entries["small"].path)
     assert drafted.draft_id == "small"
-    # auto with a draft model set is that draft; without one nothing drafts (no MTP read for hf).
+    # auto with a draft model set is that draft; without one nothing drafts (this model has no MTP layers).
     auto = plan_speculative(lib.entries["target"], ModelSettings(speculative="auto", draft_model="small"), lib)
     assert auto.options.mode == "draft"
     assert plan_speculative(lib.entries["target"], ModelSettings(speculative="auto"), lib).options.mode == "off"
 
 
 def test_drafts_vllm_cannot_use_are_refused_naming_the_setting(lib: Library) -> None:
-    assert refusal(lib, ModelSettings(speculative="mtp")) == ("speculative_unavailable", "speculative")
+    assert refusal(lib, ModelSettings(speculative="mtp")) == ("mtp_unavailable", "speculative")
 
     def draft(model: str) -> tuple[str | None, str | None]:
         return refusal(lib, ModelSettings(speculative="draft", draft_model=model))

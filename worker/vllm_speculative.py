@@ -15,7 +15,13 @@ tokens: the same token ids with and without drafting):
   head dir (one decoder layer over the target's hidden state), which the
   parent recognises in the library. A head without its own embedding or LM
   head shares the target's. Its layer's KV pages share the budget too.
-- ``mtp`` is not offered here: the parent refuses it for ``hf`` models.
+- ``mtp`` is vLLM's ``method="mtp"``: the checkpoint's own multi-token
+  prediction layers draft (vLLM builds their model from the target's
+  config; GLM-4-MoE, DeepSeek-V3, Qwen3-Next, Qwen3.5, MiMo and others).
+  Measured on a tiny random GLM-4-MoE with one MTP layer: the same greedy
+  token ids with and without, every step drafting. The parent plans it only
+  for a checkpoint whose weights hold MTP layers. Their KV pages share the
+  budget as a draft model's do.
 
 ``draft_max`` is vLLM's ``num_speculative_tokens``; ``draft_min`` has no
 vLLM counterpart (vLLM drafts whatever its proposer finds, up to the
@@ -43,11 +49,15 @@ log = logging.getLogger("gpuvisor.worker")
 # as llama.cpp drafts by default).
 DEFAULT_NGRAM_TOKENS = 5
 DEFAULT_DRAFT_TOKENS = 3
+# MTP: one token per MTP layer, and every MTP checkpoint has at least one.
+DEFAULT_MTP_TOKENS = 1
 # The n-gram lengths prompt lookup matches, shortest to longest. vLLM's own
 # default is 5 to 5 (its code calls the values arbitrary); a 5-token repeat is
 # rare in chat, so shorter matches are tried too.
 PROMPT_LOOKUP_MIN = 2
 PROMPT_LOOKUP_MAX = 5
+# vLLM's methods that run a draft model with KV pages of its own.
+DRAFT_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 
 
 class Unsupported(Exception):
@@ -68,20 +78,26 @@ def speculative_config(opts: SpeculativeOptions) -> dict[str, Any] | None:
             raise Unsupported("speculative mode draft needs a draft model")
         return {"method": "draft_model", "model": opts.draft_model,
                 "num_speculative_tokens": opts.draft_max or DEFAULT_DRAFT_TOKENS}
+    if opts.mode == "mtp":
+        # vLLM needs the number here (it refused a config without one). The
+        # parent sends the checkpoint's MTP layer count when draft_max is unset.
+        return {"method": "mtp", "num_speculative_tokens": opts.draft_max or DEFAULT_MTP_TOKENS}
     if opts.mode in ("eagle", "eagle3"):
         if not opts.draft_model:
             raise Unsupported(f"speculative mode {opts.mode} needs the head's dir as the draft model")
         return {"method": opts.mode, "model": opts.draft_model,
                 "num_speculative_tokens": opts.draft_max or DEFAULT_DRAFT_TOKENS}
     raise Unsupported(f"speculative mode {opts.mode} is not offered on the vllm engine "
-                      "(ngram, draft, eagle and eagle3 are)")
+                      "(ngram, draft, mtp, eagle and eagle3 are)")
 
 
 def draft_kv_bytes_per_token(vllm_config: Any) -> int:
     """KV bytes per token of the draft model's layers (0 without one): vLLM
-    keeps them in the same cache as the target's, so the budget holds both."""
+    keeps them in the same cache as the target's, so the budget holds both.
+    For MTP the draft model is vLLM's model of the MTP layers alone, so its
+    layer count is theirs."""
     spec = vllm_config.speculative_config
-    if spec is None or spec.method not in ("draft_model", "eagle", "eagle3") or spec.draft_model_config is None:
+    if spec is None or spec.method not in DRAFT_MODEL_METHODS or spec.draft_model_config is None:
         return 0
     model = spec.draft_model_config
     parallel = spec.draft_parallel_config

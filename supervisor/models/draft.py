@@ -17,6 +17,8 @@ from supervisor.config import ModelSettings
 from supervisor.errors import BadRequest, ModelNotFound
 from supervisor.models.gguf_header import GgufError
 from supervisor.models.hf_draft import check_hf_draft
+from supervisor.models.hf_fit import mtp_draft
+from supervisor.models.hf_info import HfInfo
 from supervisor.models.kvsize import (
     KvOptions,
     compute_buffer_bytes,
@@ -53,8 +55,15 @@ class SpeculativePlan:
         return None if self.draft is None else self.draft.id
 
 
+def mtp_layers(entry: ModelEntry) -> int:
+    """The model's own MTP layers: a GGUF's NextN layers, an hf checkpoint's MTP layers."""
+    if entry.hf is not None:
+        return entry.hf.mtp_layers
+    return entry.info.nextn_predict_layers if entry.info is not None else 0
+
+
 def has_mtp(entry: ModelEntry) -> bool:
-    return entry.info is not None and entry.info.nextn_predict_layers > 0
+    return mtp_layers(entry) > 0
 
 
 def plan_speculative(entry: ModelEntry, settings: ModelSettings, models: DraftSource,
@@ -73,14 +82,17 @@ def plan_speculative(entry: ModelEntry, settings: ModelSettings, models: DraftSo
     low, high = settings.draft_lengths()
     if mode == "off":
         return SpeculativePlan()
-    if entry.kind == "hf" and mode == "mtp":
-        # vLLM's MTP needs a checkpoint with MTP layers, which hf_info does not read yet.
-        raise BadRequest(f"model '{entry.id}' runs in vLLM, where speculative = \"ngram\" or \"draft\" is "
-                         'offered; "mtp" is not yet', param="speculative", code="speculative_unavailable")
     if mode == "mtp" and not has_mtp(entry):
-        raise BadRequest(f"model '{entry.id}' has no MTP layers (its header sets no nextn_predict_layers); "
+        where = ("its config.json declares none, or its weights hold none" if entry.kind == "hf"
+                 else "its header sets no nextn_predict_layers")
+        raise BadRequest(f"model '{entry.id}' has no MTP layers ({where}); "
                          'use speculative = "draft" with a draft_model, or "ngram"',
                          param="speculative", code="mtp_unavailable")
+    if mode == "mtp" and entry.kind == "hf":
+        # vLLM must be told how many tokens to draft; its MTP layers' own count
+        # is what the checkpoint was trained to predict.
+        high = high or mtp_layers(entry)
+        check_mtp_steps(entry, high)
     if mode != "draft":
         return SpeculativePlan(SpeculativeOptions(mode, "", low, high))
     if entry.kind == "hf":
@@ -93,6 +105,27 @@ def plan_speculative(entry: ModelEntry, settings: ModelSettings, models: DraftSo
     draft = draft_entry(settings.draft_model or "", models)
     check_vocab(entry, draft)
     return SpeculativePlan(SpeculativeOptions("draft", draft.path, low, high), draft)
+
+
+def check_mtp_steps(entry: ModelEntry, draft_max: int) -> None:
+    """vLLM runs a checkpoint's MTP layers in turn, one drafted token each, so
+    it drafts any multiple of their count (or fewer tokens than there are
+    layers) and refuses to load otherwise; refused here first, naming draft_max."""
+    layers = mtp_layers(entry)
+    if draft_max > layers and draft_max % layers:
+        raise BadRequest(f"model '{entry.id}' has {layers} MTP layers; vLLM drafts with them in turn, so "
+                         f"draft_max must be at most {layers} or a multiple of it, not {draft_max}",
+                         param="draft_max")
+
+
+def hf_draft_info(entry: ModelEntry, plan: SpeculativePlan | None) -> HfInfo | None:
+    """What drafts beside an hf model, for its fit (supervisor/models/hf_fit.py):
+    the draft model's facts, or the model's own MTP layers as a draft."""
+    if plan is None or entry.hf is None:
+        return None
+    if plan.options.mode == "mtp":
+        return mtp_draft(entry.hf)
+    return plan.draft.hf if plan.draft is not None else None
 
 
 def usable_entry(draft_id: str, models: DraftSource, heads: bool = False) -> ModelEntry:

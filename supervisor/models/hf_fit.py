@@ -21,7 +21,9 @@ the one that decides. The sizes follow vLLM's own accounting
   and the engine processes themselves in RAM);
 - a draft model (speculative decoding, ``draft``): its weights, its KV pages
   for the same sequences and context (vLLM keeps them in the one KV cache,
-  and the worker's budget holds both), and its activations.
+  and the worker's budget holds both), and its activations. A checkpoint's
+  own MTP layers draft as such a model (:func:`mtp_draft`) whose weights are
+  already in the checkpoint's.
 
 The decision is a :class:`~supervisor.models.memfit.ContextDecision`, as for
 GGUF models, so the pool and the API report it alike: ``n_ctx`` is vLLM's
@@ -109,6 +111,15 @@ def activation_bytes(info: HfInfo, opts: HfKvOptions) -> int:
     per_token = 4 * info.hidden_size + qkv + 3 * max(info.intermediate_size, info.hidden_size)
     logits = 2 * max(1, opts.max_num_seqs) * info.vocab_size
     return 4 * (opts.max_num_batched_tokens * per_token + logits)
+
+
+def mtp_draft(info: HfInfo) -> HfInfo:
+    """A checkpoint's MTP layers as the draft model vLLM makes of them: full
+    attention layers of the model's own shape, each with KV pages for every
+    sequence and a page in the null block, and a step's activations of their
+    own. No weights of their own: their tensors are in the checkpoint's bytes."""
+    return msgspec.structs.replace(info, n_layer=info.mtp_layers, sliding_window=0, sliding_layers=0,
+                                   parameter_bytes=0, dtype_bytes={}, mtp_layers=0)
 
 
 def hf_need(info: HfInfo, max_model_len: int, opts: HfKvOptions, reserve_bytes: int,

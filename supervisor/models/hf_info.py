@@ -91,6 +91,9 @@ class HfInfo(msgspec.Struct, frozen=True, kw_only=True):
     # An EAGLE draft head rather than a model (see :func:`draft_head`): it
     # drafts for a target of its hidden size and vocabulary, never serves alone.
     draft_head: DraftHead | None = None
+    # Multi-token prediction layers the checkpoint ships beside its decoder
+    # layers (see :func:`mtp_layers`): vLLM drafts with them (method "mtp").
+    mtp_layers: int = 0
 
 
 class _Tensor(msgspec.Struct):
@@ -187,6 +190,28 @@ def draft_head(architecture: str, tensors: set[str]) -> DraftHead | None:
     if not (midlayer or {"fc.weight", "model.fc.weight"} & tensors):
         return None
     return "eagle3" if midlayer or "eagle3" in architecture.lower() else "eagle"
+
+
+def mtp_layers(declared: int, n_layer: int, tensors: set[str]) -> int:
+    """The MTP layers a checkpoint has: the count its config.json declares
+    (``num_nextn_predict_layers``, or ``mtp_num_hidden_layers`` for
+    Qwen3.5), provided its weights hold them.
+
+    Declaring is not enough: transformers writes ``num_nextn_predict_layers``
+    1 into every GLM-4-MoE or DeepSeek-V3 config it saves, yet drops those
+    layers' tensors, so such a model has nothing to draft with. The tensors
+    are named as vLLM's MTP loaders look for them: the decoder layers that
+    follow the last one (``model.layers.<n_layer>.``: DeepSeek-V3, GLM-4-MoE,
+    ERNIE), or a part named ``mtp`` or ``mtp_*`` (Qwen3-Next and Qwen3.5
+    ``mtp.``, MiMo ``model.mtp_layers.``).
+    """
+    if declared <= 0:
+        return 0
+    after = tuple(f"{p}layers.{n_layer}." for p in ("model.", "", "model.language_model."))
+    for name in tensors:
+        if name.startswith(after) or any(p == "mtp" or p.startswith("mtp_") for p in name.split(".")):
+            return declared
+    return 0
 
 
 def _tensor_bytes(path: Path, name: str, tensor: _Tensor, data_bytes: int) -> int:
@@ -288,6 +313,7 @@ def config_facts(cfg: dict[str, Any]) -> dict[str, Any]:
         "context_length": _int(text, "max_position_embeddings"),
         "quantization": str(quant.get("quant_method")) if quant and quant.get("quant_method") else None,
         "quantization_config": quant,
+        "mtp_layers": _int(text, "num_nextn_predict_layers") or _int(text, "mtp_num_hidden_layers"),
     }
 
 
@@ -340,6 +366,7 @@ def read_hf_info(model_dir: Path, root: Path | None = None) -> HfInfo:
         floats = {d: n for d, n in by_dtype.items() if d in FLOAT_DTYPES}
         top = max(floats, key=floats.__getitem__, default="")
         facts["dtype"] = _TENSOR_DTYPES.get(top, "")
+    facts["mtp_layers"] = mtp_layers(facts["mtp_layers"], facts["n_layer"], tensors)
     return HfInfo(**facts, parameter_bytes=sum(by_dtype.values()), dtype_bytes=by_dtype,
                   weight_files=files, chat_template=chat_template(model_dir, names, root),
                   sampling=sampling_defaults(model_dir, names, root),

@@ -18,7 +18,12 @@ import msgspec
 from supervisor.config import ModelSettings
 from supervisor.errors import BadRequest
 from supervisor.models.adapters import adapter_bytes
-from supervisor.models.draft import SpeculativePlan, draft_bytes, draft_outputs
+from supervisor.models.draft import (
+    SpeculativePlan,
+    draft_bytes,
+    draft_outputs,
+    hf_draft_info,
+)
 from supervisor.models.gguf_info import (
     GgufError,
     GgufInfo,
@@ -130,7 +135,7 @@ def plan_load(entry: ModelEntry, settings: ModelSettings, *, explicit_ctx: bool,
                              param="rope_scaling")
         hf = plan_hf_load(entry.hf, requested=requested, target_ctx=target_ctx, min_ctx=min_ctx,
                           free_bytes=free_bytes, memory_kind=memory_kind, slots=ask.base,
-                          draft=draft.draft.hf if draft is not None and draft.draft is not None else None)
+                          draft=hf_draft_info(entry, draft))
         return msgspec.structs.replace(hf, slots=ask.base, slots_reason=f"parallel {ask.base}")
     info = entry.info
     if info is None:
