@@ -200,6 +200,9 @@ def test_hostile_fields_are_refused_naming_them(setup: tuple[Server, str, str]) 
     for body, status, param in (({"file_id": secret.id}, 400, "file_id"), ({"file_id": "nope"}, 400, "file_id"),
                                 ({"file_id": big.id}, 413, "file_id"), ({"file": "x"}, 400, None)):
         assert _error(httpx.post(files, json=body, headers=_h(alice_key), timeout=30), status)["param"] == param
+    plain = httpx.post(files, content=f'{{"file_id": "{one.id}"}}'.encode(),
+                       headers={**_h(alice_key), "Content-Type": "text/plain"}, timeout=30)
+    assert _error(plain, 415)["code"] == "unsupported_media_type"
     over = httpx.post(files, files={"file": ("huge.bin", b"x" * MIB)}, headers=_h(alice_key), timeout=30)
     assert _error(over, 413)["param"] == "file"
     assert not (srv.state_dir / "containers" / cid / "huge.bin").exists()

@@ -32,6 +32,7 @@ from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from supervisor.api.auth import request_scope
+from supervisor.api.browser import UnsupportedMediaType
 from supervisor.api.io import decode_body, json_response
 from supervisor.appkeys import KNOWLEDGE, RESPONSES
 from supervisor.errors import (
@@ -49,6 +50,7 @@ from supervisor.sandbox.containers import (
     ContainerError,
     ContainerPool,
     NameTaken,
+    UnknownContainer,
     UploadTooLarge,
     check_name,
 )
@@ -163,10 +165,14 @@ async def create_file(request: web.Request) -> web.Response:
     container = container_of(request)
     pool = pool_of(request)
     assert pool is not None
+    # Either body the SDK sends; no other (a page may post a form or text anywhere, never JSON).
     if request.content_type == "multipart/form-data":
         name = await _upload(request, pool, container)
-    else:
+    elif request.content_type == "application/json":
         name = await _copy(request, pool, container)
+    else:
+        raise UnsupportedMediaType("this route takes a multipart/form-data upload or a JSON body with a file_id, "
+                                   f"not {request.content_type!r}")
     return json_response((await _find(container, file_id(container.id, name))).to_object())
 
 
@@ -201,6 +207,8 @@ async def _upload(request: web.Request, pool: ContainerPool, container: Containe
             await asyncio.to_thread(pool.take, container, name, spool, size)
         except NameTaken as exc:
             raise Conflict(str(exc), param="file", code="file_exists") from exc
+        except UnknownContainer as exc:
+            raise NotFound(str(exc), param="container_id") from exc
         except UploadTooLarge as exc:
             raise PayloadTooLarge(str(exc), param="file") from exc
         except ContainerError as exc:

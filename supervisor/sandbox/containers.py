@@ -269,6 +269,9 @@ class ContainerPool:
             os.link(spool, container.path / name, follow_symlinks=False)
         except FileExistsError as exc:
             raise NameTaken(f"a file named {name[:80]!r} is in container {container.id} already") from exc
+        except FileNotFoundError as exc:
+            # Deleted (or expired) while the upload arrived.
+            raise UnknownContainer(f"no container {container.id} (it was deleted or expired)") from exc
         container.given_bytes += size
         container.copied_in.add(name)
         container.last_used = self._clock()
