@@ -390,6 +390,36 @@ def test_a_stopped_parent_stops_its_workers_on_the_nodes(cluster: Cluster, tiny_
                    timeout=ORPHAN_BOUND_S, interval=0.2)
 
 
+def test_a_model_on_node_as_own_disk_is_removed_there_and_a_lost_file_is_named(
+        cluster: Cluster, tiny_model_path: Path) -> None:
+    """DELETE of a model held on node-a's own disk: its worker there is
+    unloaded and node-a's agent removes its files from node-a's Hub cache.
+    Downloaded again and then lost from node-a's disk by hand, a load is
+    refused naming node-a and the file, and the model is no longer listed."""
+    srv = _cluster_server(cluster, tiny_model_path)
+    with running(srv):
+        model = _download_to_node_a(srv, cluster, tiny_model_path)
+        pid = int(srv.worker(model)["pid"])
+        repo = cluster.hf_homes["node-a"] / "hub" / "models--org--Tiny-GGUF"
+        assert repo.is_dir()
+        r = httpx.delete(f"{srv.base_url}/api/models/{model}", timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["nodes"] == ["node-a"] and r.json()["freed_bytes"] == tiny_model_path.stat().st_size
+        assert not repo.exists()
+        poll_until(lambda: _running(pid), lambda alive: not alive, timeout=30, interval=0.2)
+        assert httpx.get(f"{srv.base_url}/api/models/{model}", timeout=30).status_code == 404
+
+        model = _download_to_node_a(srv, cluster, tiny_model_path)
+        assert httpx.post(f"{srv.base_url}/api/models/{model}/unload", timeout=60).status_code == 200
+        (local,) = [p for p in (repo / "snapshots").rglob("*.gguf")]
+        local.unlink()  # gone from node-a's disk behind the service's back
+        r = httpx.post(f"{srv.base_url}/api/models/{model}/load", timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_file_missing", r.text
+        assert r.json()["error"]["message"] == (f"model {model}'s file {local} is no longer on node node-a; "
+                                                "its record there was dropped")
+        assert httpx.get(f"{srv.base_url}/api/models/{model}", timeout=30).status_code == 404
+
+
 def test_a_stream_through_a_node_against_a_local_worker(cluster: Cluster, tiny_model_path: Path) -> None:
     remote = _cluster_server(cluster, tiny_model_path)
     models = short_tempdir("gvm")

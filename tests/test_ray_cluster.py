@@ -69,7 +69,7 @@ def test_workers_on_a_local_ray_cluster_in_a_private_network() -> None:
                          capture_output=True, text=True, timeout=570, check=False)
     report = out.stdout[-6000:] + out.stderr[-3000:]
     assert out.returncode == 0, report
-    assert "7 passed" in out.stdout, report
+    assert "8 passed" in out.stdout, report
     # The inner tests' numbers (pytest's progress dots may come first on their lines).
     print("\n".join(line[line.index("measured:"):] for line in out.stdout.splitlines() if "measured:" in line))
 
