@@ -313,7 +313,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     code_interpreter_processes: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 32
     code_interpreter_open_files: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 256
     # Containers: how many at once (a full pool removes the least recently
-    # used one not running code), seconds idle before one (and its folder)
+    # used one not running code; a key holding half the pool, one of its
+    # own first), seconds idle before one (and its folder)
     # is removed, and where their folders live ("" = <state_dir>/containers).
     code_interpreter_max_containers: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 16
     code_interpreter_idle_s: Annotated[float, msgspec.Meta(gt=0.0)] = 1200.0

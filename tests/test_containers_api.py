@@ -222,7 +222,7 @@ def test_hostile_fields_are_refused_naming_them(setup: tuple[Server, str, str]) 
 def test_a_full_pool_makes_room_by_removing_the_least_recently_used_container() -> None:
     python = sandbox_python_or_skip()
     env = {"GPUVISOR_CODE_INTERPRETER": "true", "GPUVISOR_ADMIN_TOKEN": ADMIN,
-           "GPUVISOR_CODE_INTERPRETER_PYTHON": python, "GPUVISOR_CODE_INTERPRETER_MAX_CONTAINERS": "2"}
+           "GPUVISOR_CODE_INTERPRETER_PYTHON": python, "GPUVISOR_CODE_INTERPRETER_MAX_CONTAINERS": "3"}
     models = short_tempdir("gvm")
     write_tiny_gguf(models / "tiny.gguf")
     state = short_tempdir("gv")
@@ -231,10 +231,11 @@ def test_a_full_pool_makes_room_by_removing_the_least_recently_used_container() 
         alice, bob = _sdk(small, alice_key), _sdk(small, bob_key)
         first = alice.containers.create(name="first")
         second = bob.containers.create(name="second")
-        alice.containers.retrieve(first.id)  # used since: bob's is now the least recently used
+        extra = bob.containers.create(name="extra")
+        alice.containers.retrieve(first.id)  # used since: bob's second is now the least recently used
         third = alice.containers.create(name="third")
         with pytest.raises(openai.NotFoundError):
             bob.containers.retrieve(second.id)
         assert not (state / "containers" / second.id).exists()
-        assert [c.id for c in _sdk(small, ADMIN).containers.list(order="asc")] == [first.id, third.id]
+        assert [c.id for c in _sdk(small, ADMIN).containers.list(order="asc")] == [first.id, extra.id, third.id]
         assert [c.id for c in alice.containers.files.list(first.id)] == []  # still there, still hers

@@ -159,6 +159,24 @@ async def test_a_full_pool_makes_room_by_removing_the_least_recently_used_idle_c
     p.close()
 
 
+def test_a_key_holding_half_the_pool_makes_room_from_its_own_containers(tmp_path: Path) -> None:
+    now = [1000.0]
+    p = ContainerPool(tmp_path, SandboxSpec(), max_containers=4, clock=lambda: now[0])
+    theirs = p.create("key-a")
+    flood = []
+    for _ in range(3):
+        now[0] += 1
+        flood.append(p.create("key-b"))
+    now[0] += 1
+    p.create("key-b")  # holds 3 of 4: its own oldest goes, not key-a's older one
+    assert {c.id for c in p.visible("key-a")} == {theirs.id}
+    assert flood[0].id not in {c.id for c in p.visible(None)}
+    now[0] += 1
+    p.create("key-c")  # holds none: the least recently used of all goes
+    assert p.visible("key-a") == [] and len(p) == 4
+    p.close()
+
+
 def test_a_container_made_through_the_api_keeps_its_own_expiry_and_takes_files_once(tmp_path: Path) -> None:
     now = [1000.0]
     p = ContainerPool(tmp_path, SandboxSpec(), idle_s=600.0, max_upload_bytes=10, clock=lambda: now[0],

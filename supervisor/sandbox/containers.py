@@ -204,7 +204,7 @@ class ContainerPool:
         ``memory_mib`` replace the pool's for it."""
         self.expire()
         if len(self._containers) >= self.max_containers:
-            self._evict()
+            self._evict(owner)
         self.root.mkdir(parents=True, exist_ok=True)
         cid = "cntr_" + secrets.token_hex(16)
         path = self.root / cid
@@ -215,19 +215,24 @@ class ContainerPool:
         self._containers[cid] = container
         return container
 
-    def _evict(self) -> None:
-        """Make room in a full pool: remove the least recently used container
-        that is not running code, whoever's it is. A busy lab fills the pool
-        with containers of conversations that have moved on long before they
-        expire; refusing a new conversation for them would stop work that
-        can go on, while the one removed is the one least likely to be used
-        again (its next call fails as an expired one does). PoolFull only
-        when every container is running code."""
+    def _evict(self, owner: str | None) -> None:
+        """Make room in a full pool for a container of ``owner``: remove the
+        least recently used container that is not running code, whoever's it
+        is. A busy lab fills the pool with containers of conversations that
+        have moved on long before they expire; refusing a new conversation
+        for them would stop work that can go on, while the one removed is
+        the one least likely to be used again (its next call fails as an
+        expired one does). An owner holding half the pool or more makes room
+        from its own idle ones first, so one key making many cannot sweep
+        away every other key's. PoolFull only when every container is
+        running code."""
         idle = [c for c in self._containers.values() if not c.lock.locked()]
         if not idle:
             raise PoolFull(f"too many containers: all {self.max_containers} are running code; "
                            "try again when a run ends")
-        victim = min(idle, key=lambda c: c.last_used)
+        held = sum(1 for c in self._containers.values() if c.owner == owner)
+        own = [c for c in idle if c.owner == owner]
+        victim = min(own if own and 2 * held >= self.max_containers else idle, key=lambda c: c.last_used)
         log.info("container pool full (%d): removed %s, idle %.0f s, the least recently used",
                  self.max_containers, victim.id, self._clock() - victim.last_used)
         self.remove(victim.id)
