@@ -395,7 +395,8 @@ def test_a_model_on_node_as_own_disk_is_removed_there_and_a_lost_file_is_named(
     """DELETE of a model held on node-a's own disk: its worker there is
     unloaded and node-a's agent removes its files from node-a's Hub cache.
     Downloaded again and then lost from node-a's disk by hand, a load is
-    refused naming node-a and the file, and the model is no longer listed."""
+    refused naming node-a and the file, and the model is listed unusable
+    with the reason until it is deleted."""
     srv = _cluster_server(cluster, tiny_model_path)
     with running(srv):
         model = _download_to_node_a(srv, cluster, tiny_model_path)
@@ -417,6 +418,13 @@ def test_a_model_on_node_as_own_disk_is_removed_there_and_a_lost_file_is_named(
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_file_missing", r.text
         assert r.json()["error"]["message"] == (f"model {model}'s file {local} is no longer on node node-a; "
                                                 "its record there was dropped")
+        # Listed as unusable, saying why, until it is deleted (or downloaded again).
+        lost = httpx.get(f"{srv.base_url}/api/models/{model}", timeout=30).json()
+        assert lost["state"] == "unusable" and lost["reason"] == (
+            f"its file {local} is gone from node node-a, the last node that held it; download it again"), lost
+        r = httpx.post(f"{srv.base_url}/api/models/{model}/load", timeout=60)
+        assert r.status_code == 503 and "gone from node node-a" in r.json()["error"]["message"], r.text
+        assert httpx.delete(f"{srv.base_url}/api/models/{model}", timeout=60).json()["nodes"] == []
         assert httpx.get(f"{srv.base_url}/api/models/{model}", timeout=30).status_code == 404
 
 

@@ -249,7 +249,16 @@ async def test_a_load_goes_to_a_node_that_still_has_the_file_else_says_which_fil
         assert info.value.status == 404 and info.value.code == "model_file_missing"
         assert info.value.message == (f"model {MODEL_ID}'s file {held['node-b'][0]} is no longer on node node-b; "
                                       "its record there was dropped")
-        assert listed == {} and await files.held_models() == []
+        # Nothing of it is recorded now, but it stays listed, unusable, saying why.
+        assert await files.held_models() == []
+        lost = listed[MODEL_ID]
+        assert not lost.usable and lost.reason == (f"its file {held['node-b'][0]} is gone from node node-b, "
+                                                   "the last node that held it; download it again")
+        # Deleting it forgets it.
+        assert await models.remove(MODEL_ID, _unload_nothing) == {} and listed == {}
+        with pytest.raises(ModelNotFound):
+            await models.remove(MODEL_ID, _unload_nothing)
+
 
 
 async def test_a_nodes_projector_goes_with_its_model_and_stays_while_another_quant_needs_it(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +40,10 @@ from supervisor.lab.active import ActiveJob, RunnerSettings, StopReason
 from supervisor.lab.job_command import job_command
 from supervisor.lab.job_process import EventFramer
 from supervisor.lab.lease import GpuLease
-from supervisor.lab.node_files import NodeFiles, is_model_file, node_entries
+from supervisor.lab.node_files import NodeFiles, is_model_file
 from supervisor.lab.node_jobs import JobNodes, NodeJob, NodeJobLost
 from supervisor.lab.node_log import NodeLogCopy
 from supervisor.lab.store import JobStore
-from supervisor.models.entry import ModelEntry
 from supervisor.models.gpu_reading import device_node
 
 log = logging.getLogger(__name__)
@@ -83,7 +82,7 @@ class NodeJobExecution:
         request_stop: Callable[[ActiveJob, StopReason], None],
         signal_stop: Callable[[ActiveJob, bool], None],
         files: NodeFiles | None = None,
-        on_node_models: Callable[[list[ModelEntry]], None] | None = None,
+        relist: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.nodes = nodes
         self.store = store
@@ -93,7 +92,8 @@ class NodeJobExecution:
         self._signal_stop = signal_stop
         # Where downloads into nodes' own caches are recorded, and who lists them.
         self.files: NodeFiles | None = files
-        self.on_node_models = on_node_models
+        # Lists the recorded models again (node_models.NodeModels.relist).
+        self.relist = relist
 
     async def run(self, active: ActiveJob, node: str, devices: list[str], log_path: Path) -> int:
         """Start the job on ``node`` (its devices, if any, are that node's),
@@ -160,8 +160,8 @@ class NodeJobExecution:
         except (OSError, ApiError) as exc:  # StorageFull: the download stands, the library misses it
             log.error("job %s: could not record the files it left on node %s: %s", job_id, node, exc)
             return
-        if self.on_node_models is not None:
-            self.on_node_models(node_entries(await self.files.held_models()))
+        if self.relist is not None:
+            await self.relist()
 
     async def _pump(self, active: ActiveJob, proc: NodeJob, copy: NodeLogCopy, own_cache_node: str = "") -> int:
         """Store events until the job ends; stop it when heartbeats stop.

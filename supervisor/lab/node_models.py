@@ -14,13 +14,17 @@ what happens to it later:
 - **Its file gone from a node** (removed by hand, a disk replaced): the
   pool asks before it starts a worker there (:meth:`NodeModels.check_placed`).
   A missing file drops that node's record, so the model is listed with
-  its other nodes or not at all, and the load is refused naming the node
-  and the file, instead of a worker that fails to load again and again.
+  its other nodes; when it was the last, the model stays listed as
+  unusable with the reason until it is downloaded again, deleted, or the
+  service restarts (nothing of it is left in SQLite). The load is refused
+  naming the node and the file, instead of a worker that fails to load
+  again and again.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from supervisor.errors import Conflict, ModelNotFound, Unavailable
@@ -39,16 +43,25 @@ class NodeModels:
         self.nodes = nodes
         # Told the models held on nodes after each change (the library lists them).
         self.on_node_models = on_node_models
+        # Models whose last node lost the file: listed unusable, with why (in memory).
+        self._lost: dict[str, ModelEntry] = {}
 
     async def relist(self) -> None:
+        """Tell the library the recorded models, and those lost since."""
+        entries = node_entries(await self.files.held_models())
+        for entry in entries:
+            self._lost.pop(entry.id, None)  # downloaded again
         if self.on_node_models is not None:
-            self.on_node_models(node_entries(await self.files.held_models()))
+            self.on_node_models([*entries, *self._lost.values()])
 
     async def remove(self, model_id: str, unload: Callable[[str], Awaitable[object]]) -> dict[str, int]:
         """Remove the model from every node that holds it; each node -> the
         bytes freed there. 409 (nothing removed) when a node that holds it is
         not in the cluster, does not answer, or refuses a path."""
         held = await self.files.model_files(model_id)
+        if not held and self._lost.pop(model_id, None) is not None:
+            await self.relist()  # its files are gone already: it is forgotten
+            return {}
         if not held:
             raise ModelNotFound(f"model '{model_id}' is held on no cluster node's own disk")
         try:
@@ -115,5 +128,11 @@ class NodeModels:
         dropped = await self.files.drop(node, (await self.files.model_files(model_id)).get(node, [path]))
         log.warning("model %s: its file %s is no longer on node %s; dropped its record there (%d file(s))",
                     model_id, path, node, dropped)
+        why = f"model {model_id}'s file {path} is no longer on node {node}; its record there was dropped"
+        if not await self.files.model_files(model_id):
+            self._lost[model_id] = ModelEntry(
+                id=model_id, path=path, files=[path], size_bytes=0, source="node", root="", mtime=time.time(),
+                usable=False, reason=f"its file {path} is gone from node {node}, the last node that held it; "
+                                     "download it again")
         await self.relist()
-        return f"model {model_id}'s file {path} is no longer on node {node}; its record there was dropped"
+        return why

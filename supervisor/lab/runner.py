@@ -54,9 +54,9 @@ from supervisor.lab.job_process import (
 from supervisor.lab.lease import GpuLease
 from supervisor.lab.leftovers import remove_job_temps
 from supervisor.lab.node_exec import NodeJobExecution, NodeSpawnFailed, job_node
-from supervisor.lab.node_files import NodeFiles, node_entries
-from supervisor.lab.node_models import NodeModels
+from supervisor.lab.node_files import NodeFiles
 from supervisor.lab.node_jobs import JobNodes, NodeJobLost
+from supervisor.lab.node_models import NodeModels
 from supervisor.lab.outcome import Outcome, outcome_of, record, record_later
 from supervisor.lab.store import (
     WAITING_STAGE,
@@ -112,9 +112,9 @@ class JobRunner:
         if nodes is not None:
             # Downloads into nodes' own caches are recorded and listed (lab/node_files.py).
             files = NodeFiles(store.db)
-            self._node_exec = NodeJobExecution(nodes, store, lease, settings, self._request_stop,
-                                               self._signal_stop, files, on_node_models)
             self.node_models = NodeModels(files, nodes, on_node_models)
+            self._node_exec = NodeJobExecution(nodes, store, lease, settings, self._request_stop,
+                                               self._signal_stop, files, self.node_models.relist)
             lease.jobs_on_nodes = True
 
     # ------------------------------------------------------------ lifecycle
@@ -125,10 +125,9 @@ class JobRunner:
         report = await self.store.recover_at_boot()
         if report.interrupted:
             log.warning("jobs interrupted by the last shutdown: %s", ", ".join(report.interrupted))
-        if self._node_exec is not None and self._node_exec.files is not None \
-                and self._node_exec.on_node_models is not None:
+        if self.node_models is not None:
             # The models nodes hold on their own disks, as recorded by earlier runs.
-            self._node_exec.on_node_models(node_entries(await self._node_exec.files.held_models()))
+            await self.node_models.relist()
         # No job runs yet: every job temp file is a leftover of a killed one.
         await asyncio.to_thread(remove_job_temps, self.settings.roots.all())
         self._tasks = [

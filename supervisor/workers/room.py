@@ -173,7 +173,8 @@ class Room:
                 break
             again = lookup(entry.id)
             if again is None or not again.usable:
-                why = f"; {again.reason}" if again is not None and again.reason else ""
+                # Still held on nodes that are not serving: why it cannot go there.
+                why = f"; {again.reason}" if again is not None and again.nodes and again.reason else ""
                 raise NotFound(missing + why, code="model_file_missing")
             entry = again
             decision, placed = await self.fit_placed(entry, settings, explicit_ctx, slots, embedding, draft)
