@@ -118,8 +118,10 @@ async def test_a_model_is_removed_from_every_node_that_holds_it_or_from_none(tmp
     unloaded: list[tuple[str, bool]] = []
 
     async def unload(model_id: str) -> bool:
-        # A worker serving it goes before its files do.
+        # A worker serving it goes before its files do, and meanwhile no load may start one.
         unloaded.append((model_id, all(p.exists() for files in held.values() for p in files)))
+        (removing,) = listed[-1]
+        assert not removing.usable and removing.reason == "it is being removed from its nodes"
         return True
 
     async with open_store(tmp_path / "state" / "gpuvisor.db") as store:

@@ -27,6 +27,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+import msgspec
+
 from supervisor.errors import Conflict, ModelNotFound, Unavailable
 from supervisor.lab.node_files import NodeFiles, node_entries
 from supervisor.lab.node_jobs import JobNodes
@@ -45,12 +47,16 @@ class NodeModels:
         self.on_node_models = on_node_models
         # Models whose last node lost the file: listed unusable, with why (in memory).
         self._lost: dict[str, ModelEntry] = {}
+        # Models being removed: listed unusable meanwhile, so no load starts a worker on them.
+        self._removing: set[str] = set()
 
     async def relist(self) -> None:
         """Tell the library the recorded models, and those lost since."""
         entries = node_entries(await self.files.held_models())
         for entry in entries:
             self._lost.pop(entry.id, None)  # downloaded again
+        entries = [msgspec.structs.replace(e, usable=False, reason="it is being removed from its nodes")
+                   if e.id in self._removing else e for e in entries]
         if self.on_node_models is not None:
             self.on_node_models([*entries, *self._lost.values()])
 
@@ -83,10 +89,13 @@ class NodeModels:
             if found["refused"]:
                 raise Conflict(f"node {node} refuses to remove {found['refused'][0]}: it is no file of a "
                                "snapshot in its own Hub cache; nothing was removed", code="path_refused")
-        # A worker serving it holds its file open there: it goes first.
-        await unload(model_id)
+        # A worker serving it holds its file open there: it goes first, and no
+        # load may start another while its files go.
+        self._removing.add(model_id)
         freed: dict[str, int] = {}
         try:
+            await self.relist()
+            await unload(model_id)
             for node, paths in held.items():
                 done = await self._remove_on(node, model_id, paths, freed)
                 await self.files.drop(node, paths)
@@ -94,6 +103,7 @@ class NodeModels:
                 log.info("model %s removed from node %s: %d file(s), %d bytes", model_id, node,
                          len(done.removed), done.freed_bytes)
         finally:
+            self._removing.discard(model_id)
             await self.relist()
         return freed
 
