@@ -23,7 +23,7 @@ VLLM_PYTHON = default_vllm_python()
 if not VLLM_PYTHON:
     pytest.skip("no vLLM environment (make install-vllm)", allow_module_level=True)
 
-from tests.tiny_hf_mtp import build_mtp_model  # noqa: E402
+from tests.tiny_hf_mtp import build_mtp_model
 
 MODEL = "tiny-vllm-mtp"
 N_CTX = 1024
