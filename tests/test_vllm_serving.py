@@ -337,7 +337,7 @@ def test_a_finetunes_adapter_is_served_from_the_outputs_dir_without_an_export(sr
     assert answer(pair) != answer(f"{MODEL}:{ADAPTER}")  # and it is this adapter, not the other one
 
 
-def test_an_image_is_refused_naming_it_since_vllm_workers_serve_text_only(srv: Server) -> None:
+def test_an_image_to_a_text_only_hf_model_is_refused_naming_it(srv: Server) -> None:
     image = "data:image/png;base64," + base64.b64encode(png(8, 8, (200, 30, 30))).decode()
     content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": image}}]
     r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60, json={

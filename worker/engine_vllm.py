@@ -28,15 +28,28 @@ model dir for ``draft``), mapped in worker/vllm_speculative.py; the draft's
 KV pages are part of the budget, and the drafting counters come from vLLM's
 scheduler stats.
 
-What this engine does not do yet, and says so: images, MTP drafting, and a
-LoRA adapter at a ``lora_scale`` other than 1 (vLLM applies an adapter as
-trained; 0 runs the base alone).
+Images: a model vLLM serves as multimodal takes a request's images,
+checked as on llama.cpp (worker/images.py: count, bytes, pixels, format),
+decoded with PIL and passed as ``multi_modal_data`` beside the token
+prompt. Each image part of a chat renders as the model's own placeholder
+(vLLM's ``get_placeholder_str``), which vLLM's processor expands into the
+image's feature tokens; a model without one (BLIP-2) gets nothing in the
+text, and vLLM inserts its image tokens where the model wants them (BLIP-2:
+its query tokens ahead of the prompt). A model with no chat template of its
+own is prompted with vLLM's fallback for its model type where vLLM has one
+(BLIP-2: "Question: ... Answer:", as vLLM's own server and examples prompt
+it), else as any hf model.
+
+What this engine does not do yet, and says so: audio, and a LoRA adapter
+at a ``lora_scale`` other than 1 (vLLM applies an adapter as trained; 0
+runs the base alone).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import io
 import itertools
 import logging
 import os
@@ -49,7 +62,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from formats.chat_templates import TemplateFileError, choose_template
+from formats.chat_templates import ChosenTemplate, TemplateFileError, choose_template
 from worker.chat_template import ChatRenderer, TemplateError, override_template
 from worker.engine_api import (
     Counters,
@@ -60,7 +73,15 @@ from worker.engine_api import (
     Refused,
 )
 from worker.images import ImageError, check_images, placements
-from worker.protocol import Delta, Done, Error, Generate, ModelFacts, Started
+from worker.protocol import (
+    MEDIA_MARKER,
+    Delta,
+    Done,
+    Error,
+    Generate,
+    ModelFacts,
+    Started,
+)
 from worker.vllm_params import (
     MAX_LOGPROBS,
     ConstraintError,
@@ -79,12 +100,16 @@ from worker.vllm_speculative import factory as draft_counter
 # vLLM spawns its engine core process; fork would copy our threads' state.
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
+from PIL import Image
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
+from vllm.model_executor.model_loader import get_model_cls
+from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.platforms import current_platform
 from vllm.pooling_params import PoolingParams
+from vllm.transformers_utils.chat_templates import get_chat_template_fallback_path
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -172,6 +197,7 @@ class _Request:
     prompt_ids: list[int]
     params: Any  # vLLM's SamplingParams
     lora: LoRARequest | None
+    images: list[Any] = field(default_factory=list)  # decoded, in the prompt's order
     ended: threading.Event = field(default_factory=threading.Event)
     task: asyncio.Task[None] | None = None
     started_at: float = field(default_factory=time.perf_counter)
@@ -225,8 +251,11 @@ class VllmEngine:
         template = getattr(self.tokenizer, "chat_template", None)
         template = template if isinstance(template, str) else None
         model = self.llm.model_config
-        chosen = choose_template(template, str(getattr(model.hf_config, "model_type", "") or ""),
-                                 self.tokenizer.get_vocab().__contains__, override)
+        model_type = str(getattr(model.hf_config, "model_type", "") or "")
+        chosen = (_vllm_fallback_template(model_type, opts.model_path) if template is None and override is None
+                  else None) or choose_template(template, model_type, self.tokenizer.get_vocab().__contains__,
+                                                override)
+        self.image_limit, self.placeholder = _image_support(model)
         self.renderer = ChatRenderer.of(chosen, str(self.tokenizer.bos_token or ""),
                                         str(self.tokenizer.eos_token or ""))
         self.n_ctx = int(model.max_model_len)
@@ -235,7 +264,7 @@ class VllmEngine:
             n_ctx_train=int(getattr(model.hf_text_config, "max_position_embeddings", self.n_ctx)),
             n_vocab=int(model.get_vocab_size()), has_chat_template=template is not None,
             embedding=opts.embedding, chat_template=chosen.text, adapters=list(self._loras),
-            template_source=chosen.source, template_name=chosen.name,
+            template_source=chosen.source, template_name=chosen.name, vision=self.image_limit > 0,
         )
         log.info("vLLM engine ready: max_model_len %d, %d sequences, KV cache budget %d bytes",
                  self.n_ctx, opts.parallel, self.kv_bytes)
@@ -275,23 +304,39 @@ class VllmEngine:
         with self._tok_lock:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special))
 
-    def _prompt(self, req: Generate) -> tuple[list[int], list[str]]:
-        """Token ids and extra stop strings. A rendered chat prompt carries its
-        own special tokens (as with transformers' apply_chat_template)."""
+    def _prompt(self, req: Generate) -> tuple[list[int], list[str], list[Any]]:
+        """Token ids, extra stop strings and the decoded images. A rendered
+        chat prompt carries its own special tokens (as with transformers'
+        apply_chat_template)."""
+        images: list[Any] = []
         if req.images or (req.messages is not None and placements(req) > 0):
-            check_images(req, vision=False, audio=False,
-                         why="the vllm engine serves text only for now")
+            check_images(req, vision=self.image_limit > 0, audio=False,
+                         why="vLLM does not serve this model as multimodal")
+            if len(req.images) > self.image_limit:
+                raise ImageError("too_many_images", f"{len(req.images)} images; this model takes at most "
+                                                    f"{self.image_limit} per request")
+            images = [_decode(i, data) for i, data in enumerate(req.images)]
         if req.messages is not None:
             try:
-                text = self.renderer.render(req.messages, req.tools, req.template_vars)
+                text = self.renderer.render(req.messages, req.tools, req.template_vars, MEDIA_MARKER)
             except ValueError as exc:
                 raise TemplateError(str(exc)) from exc
-            return self.tokenize(text, add_special=False), self.renderer.extra_stops
-        return self.tokenize(req.prompt or "", add_special=True), []
+            return self.tokenize(self._place(text), add_special=False), self.renderer.extra_stops, images
+        return self.tokenize(self._place(req.prompt or ""), add_special=True), [], images
+
+    def _place(self, text: str) -> str:
+        """Each image's marker as the model's placeholder for it (vLLM numbers
+        them from 1); none at all for a model that has none."""
+        pieces = text.split(MEDIA_MARKER)
+        out = [pieces[0]]
+        for i, piece in enumerate(pieces[1:], 1):
+            out.append(self.placeholder(i))
+            out.append(piece)
+        return "".join(out)
 
     def generate(self, req: Generate, emit: Emit, cancelled: threading.Event) -> None:
         try:
-            ids, extra_stops = self._prompt(req)
+            ids, extra_stops, images = self._prompt(req)
             lora = self._lora(req)
         except ImageError as exc:
             emit(exc.reply(req.id))
@@ -319,7 +364,7 @@ class VllmEngine:
         except (ValueError, VLLMClientError) as exc:
             emit(Error(req.id, "invalid_request", f"vLLM does not take these sampling parameters: {exc}"))
             return
-        run = _Request(req, emit, cancelled, ids, params, lora)
+        run = _Request(req, emit, cancelled, ids, params, lora, images)
         self._loop.submit(self._run(run))
         run.ended.wait()
 
@@ -354,12 +399,17 @@ class VllmEngine:
         generated = cached = 0
         finish: Finish = "length"
         first_at: float | None = None
+        prompt = TokensPrompt(prompt_token_ids=run.prompt_ids)
+        if run.images:
+            prompt["multi_modal_data"] = {"image": run.images if len(run.images) > 1 else run.images[0]}
+        prompt_tokens = len(run.prompt_ids)
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=run.prompt_ids), run.params,
-                                               rid, lora_request=run.lora):
+            async for out in self.llm.generate(prompt, run.params, rid, lora_request=run.lora):
                 if first_at is None:
                     first_at = time.perf_counter()
-                    emit(Started(req.id, len(run.prompt_ids)))
+                    # vLLM's prompt holds the images' feature tokens too.
+                    prompt_tokens = len(out.prompt_token_ids or run.prompt_ids)
+                    emit(Started(req.id, prompt_tokens))
                 comp = out.outputs[0]
                 ids = list(comp.token_ids)
                 cached = int(out.num_cached_tokens or 0)
@@ -381,7 +431,7 @@ class VllmEngine:
         now = time.perf_counter()
         first = first_at if first_at is not None else now
         self.counters.count(finish, generated)
-        emit(Done(req.id, finish, len(run.prompt_ids), generated, cached, first - run.started_at, now - first))
+        emit(Done(req.id, finish, prompt_tokens, generated, cached, first - run.started_at, now - first))
 
     async def _sweep(self) -> None:
         """Cancel the tasks of requests whose cancel event is set; idle while none are in flight."""
@@ -431,6 +481,46 @@ class VllmEngine:
         self._loop.loop.call_soon_threadsafe(self.llm.shutdown)
         self._loop.stop()
         self._reaper.stop()
+
+
+def _vllm_fallback_template(model_type: str, model_path: str) -> ChosenTemplate | None:
+    """vLLM's own template for a model type that ships none (BLIP-2's
+    "Question: ... Answer:"), so such a model is prompted as vLLM's server
+    prompts it rather than in ChatML it never saw."""
+    path = get_chat_template_fallback_path(model_type, model_path)
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise LoadError(f"cannot read vLLM's chat template for {model_type}: {exc}") from exc
+    return ChosenTemplate("architecture", text, f"vllm-{model_type}")
+
+
+def _image_support(model: Any) -> tuple[int, Any]:
+    """How many images one prompt may hold (0: none) and the model's
+    placeholder for image ``i`` ("" where vLLM inserts the image tokens
+    itself), from vLLM's view of the model."""
+    if not model.is_multimodal_model:
+        return 0, lambda i: ""
+    limit = int(MULTIMODAL_REGISTRY.get_processing_info(model).allowed_mm_limits.get("image", 0))
+    cls = get_model_cls(model)
+
+    def placeholder(i: int) -> str:
+        return str(cls.get_placeholder_str("image", i) or "")
+
+    return limit, placeholder
+
+
+def _decode(i: int, data: bytes) -> Any:
+    """An RGB image from checked bytes (worker/images.py read their header
+    and bounded their pixels); a corrupt body is the request's 400."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+            return img.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise ImageError("invalid_image", f"image {i} cannot be decoded: {exc}") from exc
 
 
 class _AdapterMissing(Exception):

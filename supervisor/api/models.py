@@ -20,6 +20,7 @@ from supervisor.config import Config, ModelSettings
 from supervisor.errors import BadRequest, Conflict, ModelNotFound
 from supervisor.generation.profile import file_tool_format, served_profile
 from supervisor.generation.sampling import model_sampling
+from supervisor.models.hf_vision import hf_takes_images
 from supervisor.models.library import ModelEntry
 from supervisor.models.projector import Modalities, projector_modalities
 from supervisor.models.sampling_defaults import SAMPLING_FIELDS
@@ -34,14 +35,18 @@ def model_media(pool: WorkerPool, entry: ModelEntry) -> tuple[Modalities, str]:
     projector failed.
 
     Once its worker said hello this is what the worker reports: true only
-    when the projector loaded. Before that, the encoders of a linked
-    projector count (it loads with the model); one that then fails turns
-    them false, with the reason in ``vision_error``.
+    when the projector loaded (for an hf model: when vLLM serves it as
+    multimodal). Before that, the encoders of a linked projector count (it
+    loads with the model), or an hf model's vision tower in its config.json;
+    one that then fails turns them false, with the reason in ``vision_error``.
     """
     handle = pool.handles.get((entry.id, False))
     facts = handle.facts if handle is not None else None
     if facts is not None:
         return Modalities(facts.vision, facts.audio), facts.vision_error
+    if entry.kind == "hf":
+        # An hf model's image tower is in its own weights, not a projector file.
+        return Modalities(hf_takes_images(entry.path), False), ""
     if entry.mmproj is None:
         return Modalities(False, False), ""
     # A file the header reader cannot tell counts as an image projector

@@ -37,6 +37,7 @@ from supervisor.generation.output_format import enforce_format
 from supervisor.generation.pieces import Piece, Reasoning, StreamParser, Text, ToolCall
 from supervisor.generation.profile import served_profile
 from supervisor.generation.template_vars import checked_kwargs, merged_vars
+from supervisor.models.hf_vision import hf_takes_images
 from supervisor.models.library import ModelEntry
 from supervisor.models.projector import Modalities, projector_modalities
 from supervisor.responses.items import new_id
@@ -343,12 +344,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         # the model loads for nothing.
         entry = pool.models.entry(req.model)
         linked = Modalities(False, False)
-        if entry is not None and entry.mmproj is not None:
+        if entry is not None and entry.kind == "hf":
+            # Its vision tower is in its own weights; its worker confirms once loaded.
+            linked = Modalities(hf_takes_images(entry.path), False)
+        elif entry is not None and entry.mmproj is not None:
             # A projector the header does not tell about: its worker decides, with its reason.
             linked = projector_modalities(entry.mmproj) or Modalities(True, True)
         if entry is not None:
             # Without a link, the library's note says why none of its folder fits.
             why = entry.projector_note or "" if entry.mmproj is None else ""
+            if entry.kind == "hf":
+                why = "its config.json declares no vision tower"
             require_media(req.model, images, linked.vision, linked.audio, why)
     # The template decides the tool-call format and whether the model thinks.
     facts = await pool.facts(req.model)
