@@ -50,6 +50,14 @@ class FakeOutputs:
         await self.outputs.aclose()
 
 
+class NoModels:
+    """A library that lists no model: the routes' checks before a load
+    (such as an hf model's images) find nothing to refuse."""
+
+    def entry(self, model_id: str) -> None:
+        return None
+
+
 @dataclass
 class FakePool:
     """Replays ``script`` for every generate; a float step sleeps that long."""
@@ -62,6 +70,7 @@ class FakePool:
     calls: list[Call] = field(default_factory=list)
     closed: int = 0
     admitted: list[FakeOutputs] = field(default_factory=list)
+    models: NoModels = field(default_factory=NoModels)
 
     def say(self, *texts: str, finish: str = "stop", prompt_tokens: int = 7) -> None:
         self.script = [Delta(0, t, 1) for t in texts]

@@ -150,7 +150,7 @@ def test_broken_images_are_400s_and_the_worker_serves_on(srv: Server) -> None:
     assert _chat(srv, good).status_code == 200
 
 
-def test_a_text_only_hf_model_still_refuses_images_before_any_load(srv: Server) -> None:
+def test_a_text_only_hf_model_still_refuses_images_before_any_load_in_chat_and_responses(srv: Server) -> None:
     content = [{"type": "text", "text": "What is this?"},
                {"type": "image_url", "image_url": {"url": _url(png(8, 8, RED))}}]
     r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60, json={
@@ -159,5 +159,12 @@ def test_a_text_only_hf_model_still_refuses_images_before_any_load(srv: Server) 
     err = r.json()["error"]
     assert (err["code"], err["param"]) == ("vision_unavailable", "messages[0].content[1]"), err
     assert "vision tower" in err["message"]
+    r = httpx.post(srv.base_url + "/v1/responses", timeout=60, json={
+        "model": TEXT_MODEL, "max_output_tokens": 4, "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "What is this?"},
+            {"type": "input_image", "image_url": _url(png(8, 8, RED))}]}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("vision_unavailable", "input[0].content[1]"), err
     with pytest.raises(KeyError):
         srv.worker(TEXT_MODEL)  # refused before its worker was started

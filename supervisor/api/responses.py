@@ -15,11 +15,15 @@ from supervisor.api.auth import request_scope
 from supervisor.api.callers import caller_of
 from supervisor.api.io import SseWriter, decode_body, json_response
 from supervisor.api.streaming import Keepalive
-from supervisor.appkeys import KNOWLEDGE, RESPONSES
+from supervisor.appkeys import KNOWLEDGE, POOL, RESPONSES
 from supervisor.errors import BadRequest
+from supervisor.generation.images import no_vision_message
+from supervisor.models.hf_vision import hf_takes_images
 from supervisor.responses.background import DEFAULT_PRUNE_INTERVAL_S, DEFAULT_RETENTION_S
+from supervisor.responses.convert import first_image
 from supervisor.responses.events import Event
 from supervisor.responses.hosted.settings import HostedSettings
+from supervisor.responses.items import Item
 from supervisor.responses.lifecycle import OpenContainers, ResponsesApi
 from supervisor.responses.models import CreateRequest, validate
 from supervisor.responses.service import DEFAULT_KEEPALIVE_S, ResponsesService, ResponseStream
@@ -38,6 +42,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     # In a thread: validation decodes the input images (up to 12 MiB of base64).
     valid = await asyncio.to_thread(validate, body)
     valid.caller = caller_of(request)  # background runs too blame crashes on who asked
+    _refuse_images_early(request, body.model, valid.items)
     service = _service(request)
     owner = request_scope(request)  # the creating key: only it (and the admin) may use the response
     if body.background:
@@ -51,6 +56,20 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         # Retry-After, before the 200 of an event stream is committed.
         return await _stream(request, service, await service.stream(valid, owner))
     return json_response(await service.create(valid, owner))
+
+
+def _refuse_images_early(request: web.Request, model: str, items: list[Item]) -> None:
+    """Images to an hf model whose config.json declares no vision tower are
+    a 400 before its worker starts, as in the chat route: a vLLM start takes
+    most of a minute, for a refusal. Other models (and images in a previous
+    response) are refused once the model's worker says (runner.plan)."""
+    entry = request.app[POOL].models.entry(model)
+    if entry is None or entry.kind != "hf" or hf_takes_images(entry.path):
+        return
+    param = first_image([], items)
+    if param is not None:
+        raise BadRequest(no_vision_message(model, "its config.json declares no vision tower"),
+                         param=param, code="vision_unavailable")
 
 
 async def _stream(request: web.Request, service: ResponsesService, stream: ResponseStream) -> web.StreamResponse:

@@ -173,6 +173,19 @@ def _parts(item: MessageItem) -> list[ContentPart]:
     return [ImagePart() if isinstance(p, InputImage) else TextPart(p.text) for p in item.content]
 
 
+def first_image(history: list[Item], items: list[Item]) -> str | None:
+    """The field of the first image of stored ``history`` and ``items``
+    (as :func:`collect_images` names it), None without one; nothing decoded."""
+    n_history = len(history)
+    for pos, item in enumerate([*history, *items]):
+        if not isinstance(item, MessageItem) or isinstance(item.content, str):
+            continue
+        for j, part in enumerate(item.content):
+            if isinstance(part, InputImage):
+                return f"input[{pos - n_history}].content[{j}]" if pos >= n_history else "previous_response_id"
+    return None
+
+
 def collect_images(history: list[Item], items: list[Item]) -> Images:
     """The images of stored ``history`` and this request's ``items``, in the
     order their messages place them. A request's own images were decoded when
