@@ -58,7 +58,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -321,12 +321,15 @@ class VllmEngine:
                 text = self.renderer.render(req.messages, req.tools, req.template_vars, MEDIA_MARKER)
             except ValueError as exc:
                 raise TemplateError(str(exc)) from exc
-            return self.tokenize(self._place(text), add_special=False), self.renderer.extra_stops, images
-        return self.tokenize(self._place(req.prompt or ""), add_special=True), [], images
+            return self.tokenize(self._place(text, images), add_special=False), self.renderer.extra_stops, images
+        return self.tokenize(self._place(req.prompt or "", images), add_special=True), [], images
 
-    def _place(self, text: str) -> str:
+    def _place(self, text: str, images: list[Any]) -> str:
         """Each image's marker as the model's placeholder for it (vLLM numbers
-        them from 1); none at all for a model that has none."""
+        them from 1); none at all for a model that has none. Text without
+        images is left as it is, markers and all, as it was before."""
+        if not images:
+            return text
         pieces = text.split(MEDIA_MARKER)
         out = [pieces[0]]
         for i, piece in enumerate(pieces[1:], 1):
@@ -497,7 +500,7 @@ def _vllm_fallback_template(model_type: str, model_path: str) -> ChosenTemplate 
     return ChosenTemplate("architecture", text, f"vllm-{model_type}")
 
 
-def _image_support(model: Any) -> tuple[int, Any]:
+def _image_support(model: Any) -> tuple[int, Callable[[int], str]]:
     """How many images one prompt may hold (0: none) and the model's
     placeholder for image ``i`` ("" where vLLM inserts the image tokens
     itself), from vLLM's view of the model."""
