@@ -7,72 +7,43 @@ Needs the vLLM environment (``make install-vllm``) and the train extra."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
 
 from supervisor.config import default_vllm_python
-from tests.server import Server, running, short_tempdir
+from tests.server import Server, short_tempdir
 
 pytest.importorskip("transformers", reason="needs the train extra")
 VLLM_PYTHON = default_vllm_python()
 if not VLLM_PYTHON:
     pytest.skip("no vLLM environment (make install-vllm)", allow_module_level=True)
 
-from tests.tiny_eagle import build_eagle_head  # noqa: E402
-from tests.tiny_hf import build_vllm_model  # noqa: E402
+from tests.tiny_eagle import build_eagle_head
+from tests.tiny_hf import build_vllm_model
+from tests.vllm_drafting import N_CTX, START_S, assert_budget, drafting_server, drafts_and_keeps_its_text
 
 MODEL = "tiny-vllm"
 HEAD = "tiny-vllm-eagle"
-N_CTX = 1024
-# vLLM's start on a busy 2-core machine.
-START_S = 240
 
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[Server]:
+    assert VLLM_PYTHON
     models = short_tempdir("gve")
     build_vllm_model(models / MODEL, max_position_embeddings=N_CTX)
     build_eagle_head(models / MODEL, models / HEAD)
-    env = {"GPUVISOR_VLLM_PYTHON": VLLM_PYTHON, "GPUVISOR_PARALLEL": "2", "GPUVISOR_N_CTX": str(N_CTX)}
-    with running(Server(models, env=env, model=MODEL)) as server:
+    with drafting_server(models, MODEL, VLLM_PYTHON) as server:
         yield server
-
-
-def _complete(srv: Server) -> dict[str, Any]:
-    body = {"model": MODEL, "prompt": "one two three one two three one two", "max_tokens": 48,
-            "temperature": 0, "ignore_eos": True}
-    r = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=START_S)
-    assert r.status_code == 200, r.text
-    return dict(r.json())
 
 
 @pytest.mark.timeout(3 * START_S)
 def test_a_target_drafts_with_an_eagle_head_and_keeps_its_text(srv: Server) -> None:
     models = {m["id"]: m for m in httpx.get(srv.base_url + "/api/models", timeout=10).json()["data"]}
     assert not models[HEAD]["usable"] and "EAGLE draft head" in models[HEAD]["reason"], models[HEAD]
-    plain = _complete(srv)["choices"][0]["text"]
-    pid = srv.worker(MODEL)["pid"]
-    r = httpx.post(f"{srv.base_url}/api/models/{MODEL}/load", timeout=START_S,
-                   json={"speculative": "draft", "draft_model": HEAD, "draft_max": 3})
-    assert r.status_code == 200, r.text
-    srv.wait_worker(lambda w: w["state"] == "ready" and w["pid"] != pid, MODEL, timeout=START_S)
-    drafted = _complete(srv)
-    # Greedy: the target verifies every drafted token, so the text is the same.
-    assert drafted["choices"][0]["text"] == plain and drafted["usage"]["completion_tokens"] == 48
-    state = srv.wait_worker(lambda w: bool(w["stats"]) and w["stats"]["draft_tokens"] > 0, MODEL,
-                            timeout=30)["stats"]
-    assert 0 <= state["draft_accepted"] <= state["draft_tokens"], state
-    item = httpx.get(f"{srv.base_url}/api/models/{MODEL}", timeout=10).json()
+    item = drafts_and_keeps_its_text(srv, MODEL, {"speculative": "draft", "draft_model": HEAD, "draft_max": 3})
     shown = item["speculative"]
     assert (shown["mode"], shown["draft_model"], shown["draft_max"]) == ("eagle", HEAD, 3), shown
-    # The head's one layer takes 0.5 KiB of KV a token beside the target's
-    # 1 KiB, and vLLM counts as many tokens in the budget the worker gave it
-    # (with the page of 128 tokens, the CPU build's, its block pool holds back).
-    assert item["fit"]["kv_bytes"] == (N_CTX * 2 + 128) * 1536, item["fit"]
-    log = httpx.get(f"{srv.base_url}/api/models/{MODEL}/log", timeout=10).text
-    found = re.findall(r"KV cache size: ([\d,]+) tokens", log)
-    assert found and int(found[-1].replace(",", "")) == N_CTX * 2 + 128, log[-2000:]
+    # The head's one layer takes 0.5 KiB of KV a token beside the target's 1 KiB.
+    assert_budget(srv, MODEL, item, 1536)
