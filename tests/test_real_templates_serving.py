@@ -40,6 +40,7 @@ from tests.real_templates import (
     check_weather_args,
     no_markup,
 )
+from tests.responses_fake import NoModels
 from tests.server import Server, running, short_tempdir
 from worker.protocol import Delta, Done, ModelFacts
 
@@ -74,6 +75,8 @@ class Replay:
 
     template: str = ""
     texts: list[str] = field(default_factory=list)
+    # The routes look a model up before a load (an hf model's images): none here.
+    models: NoModels = field(default_factory=NoModels)
 
     async def facts(self, model: str) -> ModelFacts:
         return ModelFacts("x.gguf", 8192, 8192, 300, True, False, self.template)
