@@ -118,14 +118,20 @@ def test_an_expired_store_is_listed_so_refuses_use_and_is_swept(setup: Setup, sr
                                                          "tool_choice": {"type": "file_search"}}), 400)
     assert asked["param"] == "tools[0].vector_store_ids" and asked["code"] == "vector_store_expired"
     # The sweep deletes it, and only it; the files stay. (The same service, sweeping often.)
-    srv.extra_env = {**srv.extra_env, "GPUVISOR_VECTOR_STORES_SWEEP_INTERVAL_S": "0.2"}
+    usual = srv.extra_env
+    srv.extra_env = {**usual, "GPUVISOR_VECTOR_STORES_SWEEP_INTERVAL_S": "0.2"}
     srv.restart()
-    alice = sdk(srv, setup.alice)
-    poll_until(lambda: {s.id for s in alice.vector_stores.list()}, lambda ids: store.id not in ids, timeout=30)
-    with pytest.raises(openai.NotFoundError):
-        alice.vector_stores.retrieve(store.id)
-    assert alice.vector_stores.retrieve(kept.id).status == "completed"
-    assert alice.files.retrieve(notes.id).id == notes.id
+    try:
+        alice = sdk(srv, setup.alice)
+        poll_until(lambda: {s.id for s in alice.vector_stores.list()}, lambda ids: store.id not in ids, timeout=30)
+        with pytest.raises(openai.NotFoundError):
+            alice.vector_stores.retrieve(store.id)
+        assert alice.vector_stores.retrieve(kept.id).status == "completed"
+        assert alice.files.retrieve(notes.id).id == notes.id
+    finally:
+        # The module's later tests age stores on purpose and read them expired, not swept.
+        srv.extra_env = usual
+        srv.restart()
     with sqlite3.connect(f"file:{setup.state / 'gpuvisor.db'}?mode=ro", uri=True) as db:
         assert db.execute("SELECT count(*) FROM chunks WHERE store_id = ?", (store.id,)).fetchone()[0] == 0
 
