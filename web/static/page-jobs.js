@@ -221,7 +221,7 @@ function submitPanel(kinds, onCreated, query) {
     const text = fieldText(kind.kind);
     // A fine-tune takes no node param: its Node choice is the form's own, sent as that node's gpu_ids.
     const booksNode = kind.kind === 'finetune';
-    const extra = booksNode ? { ...PRIORITY_FIELD, node: { type: 'string', description: '' } } : PRIORITY_FIELD;
+    const extra = booksNode ? { ...PRIORITY_FIELD, node: { type: 'string', description: "Where the fine-tune runs: this machine, or a node of the cluster on that node's GPUs." } } : PRIORITY_FIELD;
     const form = new SchemaForm(`submit-${kind.kind}`, kind.schema, { ...text, extra, submitLabel: `Submit ${kind.kind} job` });
     const placed = (params) => onNode(params, booksNode ? form.field('node').read().value : null, listedNodes);
     for (const [name, value] of Object.entries(prefill)) form.field(name)?.setValue(value);
