@@ -109,10 +109,11 @@ class Container:
         found, truncated = scan(self.path)
         return [FileInfo(name, size) for name, (size, _) in sorted(found.items())], truncated
 
-    def unlink(self, name: str) -> None:
-        """Remove the file ``name`` (relative, "/"-separated): each folder on
-        the way opened without following a link; the last part is unlinked
-        itself (a link the code made there is removed, not what it points at)."""
+    def _parent(self, name: str) -> tuple[int, str]:
+        """(an open descriptor of the folder holding ``name``, its last part):
+        ``name`` is relative and "/"-separated, and each folder on the way is
+        opened without following a link. ContainerError for a name with an
+        empty, "." or ".." part, or a folder on the way that is not there."""
         parts = name.split("/")
         if any(p in ("", ".", "..") for p in parts):
             raise ContainerError(f"invalid file name {name[:80]!r}")
@@ -122,7 +123,18 @@ class Container:
                 nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
                 os.close(fd)
                 fd = nxt
-            os.unlink(parts[-1], dir_fd=fd)
+        except OSError as exc:
+            os.close(fd)
+            raise ContainerError(f"no file {name[:80]!r} in container {self.id}") from exc
+        return fd, parts[-1]
+
+    def unlink(self, name: str) -> None:
+        """Remove the file ``name`` (relative, "/"-separated): each folder on
+        the way opened without following a link; the last part is unlinked
+        itself (a link the code made there is removed, not what it points at)."""
+        fd, last = self._parent(name)
+        try:
+            os.unlink(last, dir_fd=fd)
         except OSError as exc:
             raise ContainerError(f"no file {name[:80]!r} in container {self.id}") from exc
         finally:
@@ -134,17 +146,10 @@ class Container:
         on the way opened without following a link, the file too; refused
         when it is not a regular file, is out of the folder or is over
         ``max_bytes``. The caller closes it."""
-        parts = name.split("/")
-        if any(p in ("", ".", "..") for p in parts):
-            raise ContainerError(f"invalid file name {name[:80]!r}")
-        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        fd, last = self._parent(name)
         try:
-            for part in parts[:-1]:
-                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                os.close(fd)
-                fd = nxt
             # O_NONBLOCK: a FIFO the code made opens at once (and is refused below) instead of waiting for a writer.
-            file_fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+            file_fd = os.open(last, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
         except OSError as exc:
             raise ContainerError(f"no file {name[:80]!r} in container {self.id}") from exc
         finally:
