@@ -93,6 +93,7 @@ from worker.vllm_params import (
 from worker.vllm_speculative import (
     Unsupported,
     draft_kv_bytes_per_token,
+    kv_values_per_layer,
     speculative_config,
 )
 from worker.vllm_speculative import factory as draft_counter
@@ -205,8 +206,9 @@ class _Request:
 
 def kv_budget(vllm_config: Any, n_ctx: int, parallel: int) -> int:
     """Bytes of KV pages for ``parallel`` sequences of ``n_ctx`` tokens, from
-    vLLM's own view of the model (layers, KV heads, head size, dtype), and of
-    its draft model's when one drafts (their pages share the one budget).
+    vLLM's own view of the model (layers, KV heads, head size, MLA or not,
+    dtype, block size), and of its draft model's when one drafts (their
+    pages share the one budget).
 
     Plus one page: vLLM's block pool holds one back for good (its null
     block) and refuses to start unless a sequence of ``n_ctx`` tokens fits in
@@ -216,7 +218,7 @@ def kv_budget(vllm_config: Any, n_ctx: int, parallel: int) -> int:
     model = vllm_config.model_config
     block = int(vllm_config.cache_config.block_size or 16)
     layers = model.get_num_layers(vllm_config.parallel_config)
-    per_token = 2 * layers * model.get_num_kv_heads(vllm_config.parallel_config) * model.get_head_size()
+    per_token = layers * kv_values_per_layer(model, vllm_config.parallel_config)
     per_token_bytes = per_token * model.dtype.itemsize + draft_kv_bytes_per_token(vllm_config)
     pages = -(-n_ctx // block) * max(1, parallel) + 1
     return int(per_token_bytes * block * pages)

@@ -101,8 +101,18 @@ def draft_kv_bytes_per_token(vllm_config: Any) -> int:
         return 0
     model = spec.draft_model_config
     parallel = spec.draft_parallel_config
-    per_token = 2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * model.get_head_size()
+    per_token = model.get_num_layers(parallel) * kv_values_per_layer(model, parallel)
     return int(per_token * model.dtype.itemsize)
+
+
+def kv_values_per_layer(model: Any, parallel: Any) -> int:
+    """KV values one layer of vLLM's ``ModelConfig`` ``model`` caches per
+    token, as vLLM sizes its pages (vllm/v1/kv_cache_interface.py): a K and
+    a V of ``head_size`` per KV head, or under multi-head latent attention
+    (``use_mla``) one latent vector of ``head_size`` with no V, vLLM then
+    counting one KV head. supervisor/models/hf_fit.py counts the same."""
+    values = int(model.get_num_kv_heads(parallel)) * int(model.get_head_size())
+    return values if model.use_mla else 2 * values
 
 
 class DraftCounter(StatLoggerBase):  # type: ignore[misc]  # vLLM is untyped for mypy here (its own venv)

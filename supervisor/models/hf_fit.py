@@ -8,8 +8,12 @@ the one that decides. The sizes follow vLLM's own accounting
 
 - weights: the safetensors tensor bytes, float tensors at the dtype vLLM
   loads (a float32 checkpoint is loaded in 16 bits, as vLLM does);
-- KV cache: pages of ``block_size`` tokens, each ``2 * kv_heads * head_dim``
-  values per layer; a full-attention layer holds ``ceil(max_model_len /
+- KV cache: pages of ``block_size`` tokens (:func:`block_size`), each
+  :func:`kv_values_per_token` values per layer: ``2 * kv_heads * head_dim``
+  (a K and a V per KV head), or for a model with multi-head latent
+  attention (MLA: DeepSeek-V2/V3, Kimi-K2, ...) its one latent vector,
+  ``kv_lora_rank + qk_rope_head_dim``, as vLLM caches it (one KV head, no
+  separate V); a full-attention layer holds ``ceil(max_model_len /
   block_size)`` pages per sequence, a sliding-window layer
   ``ceil(min(window - 1 + max_num_batched_tokens, max_model_len) /
   block_size) + 1``; times ``max_num_seqs`` sequences, all of them at full
@@ -49,9 +53,15 @@ HF_GPU_RESERVE = 1 << 30
 HF_CPU_RESERVE = 1 << 30
 _LOAD_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # vLLM's KV page sizes (tokens): its CUDA default, and its CPU build's
-# (vllm/platforms/cpu.py), which the worker leaves as they are.
+# (vllm/platforms/cpu.py), which the worker leaves as they are. The CPU
+# build serves MLA models with pages of 16 (its reference MLA kernel takes
+# no other size); on a CPU with AMX it picks its AMX kernel and keeps 128,
+# where the fit rounds to the smaller page and may count up to 112 tokens
+# a sequence (and in the held page) short; the worker's own budget follows
+# the block size vLLM actually took.
 GPU_BLOCK_SIZE = 16
 CPU_BLOCK_SIZE = 128
+CPU_MLA_BLOCK_SIZE = 16
 
 
 class HfKvOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,10 +91,17 @@ def weight_bytes(info: HfInfo, dtype: str) -> int:
     return total
 
 
+def kv_values_per_token(info: HfInfo) -> int:
+    """KV values one layer caches per token: an MLA model's latent vector
+    (vLLM's ``MLAAttentionSpec``: one head, no separate V), else a K and a V
+    of ``head_dim`` for every KV head."""
+    return info.kv_latent_dim or 2 * info.n_head_kv * info.head_dim
+
+
 def kv_bytes_per_seq(info: HfInfo, max_model_len: int, opts: HfKvOptions, dtype: str) -> int:
     """One sequence's KV pages at ``max_model_len`` tokens, every layer."""
     bs = opts.block_size
-    page = bs * 2 * info.n_head_kv * info.head_dim * _LOAD_DTYPE_BYTES[dtype]
+    page = bs * kv_values_per_token(info) * _LOAD_DTYPE_BYTES[dtype]
     full_layers = info.n_layer - info.sliding_layers
     full_blocks = -(-max_model_len // bs)
     window_tokens = min(info.sliding_window - 1 + opts.max_num_batched_tokens, max_model_len)
@@ -100,7 +117,7 @@ def kv_cache_bytes(info: HfInfo, max_model_len: int, opts: HfKvOptions, dtype: s
 def null_page_bytes(info: HfInfo, opts: HfKvOptions, dtype: str) -> int:
     """The page of every layer that vLLM's block pool holds back for good (its
     null block): vLLM starts only if a full-length sequence fits beside it."""
-    return opts.block_size * 2 * info.n_head_kv * info.head_dim * _LOAD_DTYPE_BYTES[dtype] * info.n_layer
+    return opts.block_size * kv_values_per_token(info) * _LOAD_DTYPE_BYTES[dtype] * info.n_layer
 
 
 def activation_bytes(info: HfInfo, opts: HfKvOptions) -> int:
@@ -185,11 +202,17 @@ def plan_hf_load(info: HfInfo, *, requested: int | None, target_ctx: int, min_ct
     """The fit of a vLLM worker with ``slots`` sequences (and ``draft``
     drafting for it), as supervisor/models/placement.py asks it of every model."""
     native = info.context_length or target_ctx or 4096
-    opts = HfKvOptions(max_num_seqs=max(1, slots),
-                       block_size=GPU_BLOCK_SIZE if memory_kind == "gpu" else CPU_BLOCK_SIZE)
+    opts = HfKvOptions(max_num_seqs=max(1, slots), block_size=block_size(info, memory_kind))
     return choose_hf_context(info, free_bytes=free_bytes, opts=opts, requested=requested,
                              target=min(target_ctx or native, native) if requested is None else None,
                              floor=min(min_ctx, native), memory_kind=memory_kind, draft=draft)
+
+
+def block_size(info: HfInfo, memory_kind: str) -> int:
+    """The KV page (tokens) vLLM takes for ``info`` on ``memory_kind``."""
+    if memory_kind == "gpu":
+        return GPU_BLOCK_SIZE
+    return CPU_MLA_BLOCK_SIZE if info.kv_latent_dim else CPU_BLOCK_SIZE
 
 
 def _largest_fitting(need: Callable[[int], Need], lowest: int, highest: int, free_bytes: int) -> int | None:

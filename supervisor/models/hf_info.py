@@ -48,6 +48,19 @@ _CONFIG_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float
                   "float": "F32", "half": "F16"}
 _TENSOR_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 DraftHead = Literal["eagle", "eagle3"]
+# The model types vLLM serves with multi-head latent attention, as its
+# ``is_deepseek_mla`` lists them (vllm/transformers_utils/
+# model_arch_config_convertor.py, vLLM 0.32); a type vLLM adds is counted
+# as plain attention until it is added here.
+MLA_MODEL_TYPES = frozenset({
+    "axk1", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "deepseek_v41", "dots3_note",
+    "deepseek_mtp", "k3_dspark", "glm5_next", "glm5_next_text", "glm_moe_dsa", "glm4_moe_lite",
+    "glm4_moe_lite_mtp", "kimi_k2", "kimi_linear", "longcat_flash", "pangu_ultra_moe",
+    "pangu_ultra_moe_mtp", "bailing_hybrid", "bailing_hybrid_mtp", "bailing_hybrid_v3_mtp", "hy_v4",
+    "hy_v4_mtp",
+})
+# The targets whose EAGLE heads (model_type "eagle") vLLM serves with MLA too.
+MLA_EAGLE_TARGETS = frozenset({"axk1", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_mtp"})
 
 
 class HfError(Exception):
@@ -94,6 +107,10 @@ class HfInfo(msgspec.Struct, frozen=True, kw_only=True):
     # Multi-token prediction layers the checkpoint ships beside its decoder
     # layers (see :func:`mtp_layers`): vLLM drafts with them (method "mtp").
     mtp_layers: int = 0
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, ...; see
+    # :func:`kv_latent_dim`): the values of the one latent vector vLLM caches
+    # per token and layer, in place of a K and a V per KV head. 0: not MLA.
+    kv_latent_dim: int = 0
 
 
 class _Tensor(msgspec.Struct):
@@ -288,6 +305,38 @@ def _sliding(cfg: dict[str, Any], n_layer: int) -> tuple[int, int]:
     return window, n_layer
 
 
+def kv_latent_dim(text: dict[str, Any]) -> int:
+    """The values per token and layer of an MLA model's KV cache, 0 for any
+    other model: decided as vLLM's ``is_deepseek_mla`` and ``get_head_size``
+    decide it, from the text config.
+
+    An MLA model caches one latent vector per token and layer,
+    ``kv_lora_rank + qk_rope_head_dim`` values (576 on DeepSeek-V3); a
+    DeepSeek-V4-style config (``compress_ratios``) names it ``head_dim``. A
+    model type of the list whose config has no ``kv_lora_rank`` is plain
+    attention to vLLM too. A rank that is there but not a count is refused
+    (ValueError, as for every field): vLLM would fail on it at load. vLLM's
+    ``VLLM_MLA_DISABLE`` is a worker's environment, not the model's, and is
+    not followed.
+    """
+    model_type = text.get("model_type")
+    if model_type == "eagle":
+        target = text.get("model")
+        target_type = target.get("model_type") if isinstance(target, dict) else None
+        if target_type not in MLA_EAGLE_TARGETS:
+            return 0
+    elif model_type not in MLA_MODEL_TYPES:
+        return 0
+    elif "compress_ratios" in text:
+        return _int(text, "head_dim")
+    if text.get("kv_lora_rank") is None:
+        return 0
+    rank = _int(text, "kv_lora_rank")
+    if not rank:
+        raise ValueError("kv_lora_rank is 0, not the size of a latent")
+    return rank + _int(text, "qk_rope_head_dim")
+
+
 def config_facts(cfg: dict[str, Any]) -> dict[str, Any]:
     """HfInfo fields from config.json; ValueError names a bad field."""
     text = _text_config(cfg)
@@ -314,6 +363,7 @@ def config_facts(cfg: dict[str, Any]) -> dict[str, Any]:
         "quantization": str(quant.get("quant_method")) if quant and quant.get("quant_method") else None,
         "quantization_config": quant,
         "mtp_layers": _int(text, "num_nextn_predict_layers") or _int(text, "mtp_num_hidden_layers"),
+        "kv_latent_dim": kv_latent_dim(text),
     }
 
 
