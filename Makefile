@@ -88,9 +88,14 @@ serve: $(STAMP)
 	$(VENV)/bin/gpuvisor serve $(ARGS)
 
 # The suite covers finetune jobs too: the test and the train extras; and
-# vLLM workers (tests/test_vllm_serving.py): the vLLM environment.
+# vLLM workers (tests/test_vllm_serving.py): the vLLM environment. It runs on
+# TEST_WORKERS processes, whole modules each, the vLLM ones on one worker in
+# turn (tests/scheduling.py): most tests wait on servers, engines and
+# subprocesses, so two workers take about two thirds of the time of one on a
+# 2-core machine. TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
 test: $(TEST_STAMP) $(TRAIN_STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The benchmarks drive the service with httpx and the OpenAI client (test extra).
 bench: $(TEST_STAMP)

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from supervisor.models.demo import write_tiny_gguf
+from tests import scheduling
 from tests.browser import launch, require_browser
 from tests.server import Server, running, short_tempdir
 from tests.tiny_bpe import write_tiny_bpe
@@ -52,3 +53,15 @@ def browser() -> Iterator[Any]:
     require_browser()
     with launch() as b:
         yield b
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    scheduling.order(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> scheduling.ModuleScheduling | None:
+    """Whole modules per worker (``--dist loadfile``), the vLLM ones on one (tests/scheduling.py)."""
+    if config.getoption("dist") != "loadfile":
+        return None  # xdist's own for any other mode
+    return scheduling.ModuleScheduling(config, log)

@@ -101,7 +101,7 @@ class Server:
             self.wait_ready()
         return self
 
-    def _wait_port(self, offset: int, timeout: float = 60) -> int:
+    def _wait_port(self, offset: int, timeout: float = 180) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self.log_path.read_bytes()[offset:].decode(errors="replace")
