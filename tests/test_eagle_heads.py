@@ -3,7 +3,7 @@ recognised from its tensors, listed as unusable on its own (it cannot
 serve), and planned as vLLM's ``eagle`` / ``eagle3`` method when a target of
 its hidden size and vocabulary names it as its draft model; its layer's KV
 pages are in the fit. The real engine drafts with one in
-tests/test_vllm_eagle.py."""
+tests/test_vllm_serving.py (reloading its Hub snapshot)."""
 
 from __future__ import annotations
 

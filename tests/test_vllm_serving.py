@@ -1,6 +1,7 @@
 """A Hugging Face model served by a vLLM worker through the real server: its
 fit's KV budget, streamed deltas, cancel, parallel requests, speculative
-decoding (vLLM's prompt lookup and a draft model keep the greedy text).
+decoding (vLLM's prompt lookup, a draft model and an EAGLE head keep the
+greedy text).
 
 One worker for the whole module: vLLM's start takes half a minute on the
 CPU. Needs the vLLM environment (``make install-vllm``) and the train extra
@@ -32,6 +33,7 @@ if not VLLM_PYTHON:
     pytest.skip("no vLLM environment (make install-vllm)", allow_module_level=True)
 
 from tests.lora_support import random_adapter
+from tests.tiny_eagle import build_eagle_head
 from tests.tiny_hf import build_vllm_model, put_in_hub_cache
 from tests.tiny_vision import png
 
@@ -45,6 +47,8 @@ HUB_MODEL = "lab/tiny-vllm-hub"
 DRAFT_MAX = 4
 # The model's weights with two tokens' ids swapped in its tokenizer: no draft for it.
 OTHER_VOCAB = "tiny-vllm-swapped"
+# An EAGLE draft head for MODEL's weights (tests/tiny_eagle.py): drafts for HUB_MODEL.
+HEAD = "tiny-vllm-eagle"
 # Long enough that a stream cancelled after its first chunk cannot have ended by itself.
 N_CTX = 16384
 
@@ -61,6 +65,7 @@ def srv() -> Iterator[Server]:
     hub = models.parent / f"{models.name}-hub"
     put_in_hub_cache(models / MODEL, hub, HUB_MODEL)
     _swapped_vocab(models / MODEL, models / OTHER_VOCAB)
+    build_eagle_head(models / MODEL, models / HEAD)
     env = {"GPUVISOR_VLLM_PYTHON": VLLM_PYTHON, "GPUVISOR_PARALLEL": "2", "GPUVISOR_N_CTX": str(N_CTX),
            "HF_HUB_CACHE": str(hub), "GPUVISOR_OUTPUTS_DIR": str(outputs)}
     config = models.parent / f"{models.name}.toml"
@@ -374,7 +379,7 @@ def test_embeddings_through_the_pooling_runner(srv: Server) -> None:
     assert srv.worker(MODEL)["state"] == "ready"
 
 
-@pytest.mark.timeout(2 * START_S + 60)
+@pytest.mark.timeout(3 * START_S + 60)
 def test_a_hub_cache_snapshot_serves_and_drafts_with_the_same_text(srv: Server) -> None:
     models = {m["id"]: m for m in httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"]}
     assert (models[HUB_MODEL]["engine"], models[HUB_MODEL]["state"]) == ("vllm", "unloaded"), models.get(HUB_MODEL)
@@ -398,7 +403,9 @@ def test_a_hub_cache_snapshot_serves_and_drafts_with_the_same_text(srv: Server) 
         assert (shown["mode"], shown["draft_max"], shown["error"]) == ("ngram", DRAFT_MAX, None), shown
         assert shown["draft_tokens"] >= state["draft_tokens"], shown  # counts since the start, read later
         assert srv.worker(MODEL)["stats"]["draft_tokens"] == 0
-        _drafts_with_a_draft_model(srv, body, same.json()["choices"][0]["message"]["content"])
+        plain = same.json()["choices"][0]["message"]["content"]
+        _drafts_with_a_draft_model(srv, body, plain)
+        _drafts_with_an_eagle_head(srv, body, plain)
     finally:  # one vLLM worker less for the tests after this one
         httpx.post(f"{srv.base_url}/api/models/{HUB_MODEL}/unload", timeout=60)
 
@@ -423,6 +430,34 @@ def _drafts_with_a_draft_model(srv: Server, body: dict[str, Any], plain: str) ->
     # each), and vLLM counts as many tokens in the budget the worker gave it
     # (with the page its block pool holds back).
     assert item["fit"]["kv_bytes"] == (N_CTX * 2 + 128) * 2048, item["fit"]
+    log = httpx.get(f"{srv.base_url}/api/models/{HUB_MODEL}/log", timeout=10).text
+    found = re.findall(r"KV cache size: ([\d,]+) tokens", log)
+    assert found and int(found[-1].replace(",", "")) == N_CTX * 2 + 128, log[-2000:]
+
+
+def _drafts_with_an_eagle_head(srv: Server, body: dict[str, Any], plain: str) -> None:
+    """HUB_MODEL reloaded with HEAD drafting for it (vLLM's "eagle" method):
+    a random head's drafts are mostly refused, and the text stays the
+    target's. The head is listed, but not as a model of its own."""
+    models = {m["id"]: m for m in httpx.get(srv.base_url + "/api/models", timeout=10).json()["data"]}
+    assert not models[HEAD]["usable"] and "EAGLE draft head" in models[HEAD]["reason"], models[HEAD]
+    before = srv.worker(HUB_MODEL)
+    r = httpx.post(f"{srv.base_url}/api/models/{HUB_MODEL}/load", timeout=START_S,
+                   json={"speculative": "draft", "draft_model": HEAD, "draft_max": 3})
+    assert r.status_code == 200, r.text
+    srv.wait_worker(lambda w: w["state"] == "ready" and w["pid"] != before["pid"], HUB_MODEL, timeout=START_S)
+    r = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "model": HUB_MODEL}, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == plain, r.text
+    # Counted since this worker's start: the draft model's worker before it had its own.
+    state = srv.wait_worker(lambda w: bool(w["stats"]) and w["stats"]["draft_tokens"] > 0, HUB_MODEL,
+                            timeout=30)["stats"]
+    assert 0 <= state["draft_accepted"] <= state["draft_tokens"], state
+    item = httpx.get(f"{srv.base_url}/api/models/{HUB_MODEL}", timeout=10).json()
+    shown = item["speculative"]
+    assert (shown["mode"], shown["draft_model"], shown["draft_max"]) == ("eagle", HEAD, 3), shown
+    # The head's one layer takes 0.5 KiB of KV a token beside the target's
+    # 1 KiB, in the fit and in vLLM's own count of the budget it was given.
+    assert item["fit"]["kv_bytes"] == (N_CTX * 2 + 128) * 1536, item["fit"]
     log = httpx.get(f"{srv.base_url}/api/models/{HUB_MODEL}/log", timeout=10).text
     found = re.findall(r"KV cache size: ([\d,]+) tokens", log)
     assert found and int(found[-1].replace(",", "")) == N_CTX * 2 + 128, log[-2000:]

@@ -1,5 +1,5 @@
-"""What the real-vLLM drafting tests share (tests/test_vllm_eagle.py,
-tests/test_vllm_mtp.py): a server on a models dir with one tiny model, and
+"""What the real-vLLM drafting test of a model's own MTP layers
+(tests/test_vllm_mtp.py) uses: a server on a models dir with one tiny model, and
 the check that a model reloaded to draft keeps its greedy text, drafts, and
 that vLLM counts the drafter's KV pages in the exact budget the worker gave
 it."""
