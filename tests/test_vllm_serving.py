@@ -412,55 +412,49 @@ def test_a_hub_cache_snapshot_serves_and_drafts_with_the_same_text(srv: Server) 
 
 def _drafts_with_a_draft_model(srv: Server, body: dict[str, Any], plain: str) -> None:
     """HUB_MODEL reloaded with MODEL's dir drafting for it: the same weights,
-    so the drafts are the target's own greedy choices and most are kept."""
+    so the drafts are the target's own greedy choices and most are kept.
+    The fit holds the draft's KV pages beside the target's (1 KiB a token each)."""
+    state, item = _reloaded_to_draft(srv, body, plain, MODEL, 2048)
+    assert state["draft_tokens"] / 2 < state["draft_accepted"], state
+    assert item["speculative"]["mode"] == "draft", item["speculative"]
+
+
+def _drafts_with_an_eagle_head(srv: Server, body: dict[str, Any], plain: str) -> None:
+    """HUB_MODEL reloaded with HEAD drafting for it (vLLM's "eagle" method):
+    a random head's drafts are mostly refused, and the text stays the
+    target's. The head is listed, but not as a model of its own; its one
+    layer takes 0.5 KiB of KV a token beside the target's 1 KiB."""
+    models = {m["id"]: m for m in httpx.get(srv.base_url + "/api/models", timeout=10).json()["data"]}
+    assert not models[HEAD]["usable"] and "EAGLE draft head" in models[HEAD]["reason"], models[HEAD]
+    _state, item = _reloaded_to_draft(srv, body, plain, HEAD, 1536)
+    assert item["speculative"]["mode"] == "eagle", item["speculative"]
+
+
+def _reloaded_to_draft(srv: Server, body: dict[str, Any], plain: str, drafter: str,
+                       kv_per_token: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """HUB_MODEL reloaded with ``drafter`` drafting 3 tokens a step: the same
+    greedy text, drafts counted (since this worker's start), and the fit's KV
+    budget at ``kv_per_token`` bytes, which vLLM counts as as many tokens
+    (with the page its block pool holds back). Its stats and /api/models item."""
     pid = srv.worker(HUB_MODEL)["pid"]
     r = httpx.post(f"{srv.base_url}/api/models/{HUB_MODEL}/load", timeout=START_S,
-                   json={"speculative": "draft", "draft_model": MODEL, "draft_max": 3})
+                   json={"speculative": "draft", "draft_model": drafter, "draft_max": 3})
     assert r.status_code == 200, r.text
     srv.wait_worker(lambda w: w["state"] == "ready" and w["pid"] != pid, HUB_MODEL, timeout=START_S)
     r = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "model": HUB_MODEL}, timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == plain, r.text
     state = srv.wait_worker(lambda w: bool(w["stats"]) and w["stats"]["draft_tokens"] > 0, HUB_MODEL,
                             timeout=30)["stats"]
-    assert state["draft_tokens"] / 2 < state["draft_accepted"] <= state["draft_tokens"], state
-    item = httpx.get(f"{srv.base_url}/api/models/{HUB_MODEL}", timeout=10).json()
-    shown = item["speculative"]
-    assert (shown["mode"], shown["draft_model"], shown["draft_max"]) == ("draft", MODEL, 3), shown
-    # The fit holds the draft's KV pages beside the target's (1 KiB a token
-    # each), and vLLM counts as many tokens in the budget the worker gave it
-    # (with the page its block pool holds back).
-    assert item["fit"]["kv_bytes"] == (N_CTX * 2 + 128) * 2048, item["fit"]
-    log = httpx.get(f"{srv.base_url}/api/models/{HUB_MODEL}/log", timeout=10).text
-    found = re.findall(r"KV cache size: ([\d,]+) tokens", log)
-    assert found and int(found[-1].replace(",", "")) == N_CTX * 2 + 128, log[-2000:]
-
-
-def _drafts_with_an_eagle_head(srv: Server, body: dict[str, Any], plain: str) -> None:
-    """HUB_MODEL reloaded with HEAD drafting for it (vLLM's "eagle" method):
-    a random head's drafts are mostly refused, and the text stays the
-    target's. The head is listed, but not as a model of its own."""
-    models = {m["id"]: m for m in httpx.get(srv.base_url + "/api/models", timeout=10).json()["data"]}
-    assert not models[HEAD]["usable"] and "EAGLE draft head" in models[HEAD]["reason"], models[HEAD]
-    before = srv.worker(HUB_MODEL)
-    r = httpx.post(f"{srv.base_url}/api/models/{HUB_MODEL}/load", timeout=START_S,
-                   json={"speculative": "draft", "draft_model": HEAD, "draft_max": 3})
-    assert r.status_code == 200, r.text
-    srv.wait_worker(lambda w: w["state"] == "ready" and w["pid"] != before["pid"], HUB_MODEL, timeout=START_S)
-    r = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "model": HUB_MODEL}, timeout=120)
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == plain, r.text
-    # Counted since this worker's start: the draft model's worker before it had its own.
-    state = srv.wait_worker(lambda w: bool(w["stats"]) and w["stats"]["draft_tokens"] > 0, HUB_MODEL,
-                            timeout=30)["stats"]
     assert 0 <= state["draft_accepted"] <= state["draft_tokens"], state
     item = httpx.get(f"{srv.base_url}/api/models/{HUB_MODEL}", timeout=10).json()
     shown = item["speculative"]
-    assert (shown["mode"], shown["draft_model"], shown["draft_max"]) == ("eagle", HEAD, 3), shown
-    # The head's one layer takes 0.5 KiB of KV a token beside the target's
-    # 1 KiB, in the fit and in vLLM's own count of the budget it was given.
-    assert item["fit"]["kv_bytes"] == (N_CTX * 2 + 128) * 1536, item["fit"]
+    assert (shown["draft_model"], shown["draft_max"]) == (drafter, 3), shown
+    tokens = N_CTX * 2 + 128
+    assert item["fit"]["kv_bytes"] == tokens * kv_per_token, item["fit"]
     log = httpx.get(f"{srv.base_url}/api/models/{HUB_MODEL}/log", timeout=10).text
     found = re.findall(r"KV cache size: ([\d,]+) tokens", log)
-    assert found and int(found[-1].replace(",", "")) == N_CTX * 2 + 128, log[-2000:]
+    assert found and int(found[-1].replace(",", "")) == tokens, log[-2000:]
+    return dict(state), dict(item)
 
 
 def test_drafting_vllm_cannot_do_is_refused_before_any_start(srv: Server) -> None:
