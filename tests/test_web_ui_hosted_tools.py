@@ -123,7 +123,11 @@ def finished(pg: Any) -> None:
 
 def stored(srv: Server, pg: Any, kind: str) -> dict[str, Any]:
     """The first call of ``kind`` that ran in the page's last stored response."""
-    response_id = pg.locator(".mode-note .response-id").get_attribute("data-response-id")
+    note = pg.locator(".mode-note .response-id")
+    # The page names the stored response once the turn has ended (finished()
+    # waited for that), unless the turn failed: then say how it reads.
+    assert note.count() == 1, "no stored response; the last answer reads: " + pg.locator(".msg.assistant").last.inner_text()
+    response_id = note.get_attribute("data-response-id")
     body = httpx.get(f"{srv.base_url}/v1/responses/{response_id}", timeout=30).json()
     return next(o for o in body["output"] if o["type"] == kind and o.get("status") != "incomplete")
 
