@@ -160,7 +160,7 @@ def test_a_sigkill_mid_stream_ends_the_stream_cleanly_and_restarts(srv: Server) 
     streamer.join(60)
     # The client's stream ends with an error object and the stream's usual end.
     assert out["status"] == 200 and out.get("done"), out
-    assert out["events"][-1]["error"]["code"] == "worker_crashed", out["events"][-1]
+    assert out["events"][-1].get("error", {}).get("code") == "worker_crashed", out["events"][-3:]
     # No vLLM engine process outlives its worker: the whole group is gone.
     _gone, alive = psutil.wait_procs(tree, timeout=30)
     assert not alive and not _group(pgid), (alive, _group(pgid))
