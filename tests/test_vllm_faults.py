@@ -162,6 +162,8 @@ async def _crash_engine_during(srv: Server, body: dict[str, Any]) -> httpx.Respo
     async with httpx.AsyncClient(base_url=srv.base_url, timeout=START_S) as c:
         task = asyncio.create_task(c.post("/v1/completions", json=body))
         while not _in_flight((await c.get("/api/workers")).json()["workers"]):
+            # Answered without ever being in flight: say how, rather than wait for ever.
+            assert not task.done(), (task.result().status_code, task.result().text)
             await asyncio.sleep(0.02)
         core.send_signal(signal.SIGKILL)
         resp = await task
