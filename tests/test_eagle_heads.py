@@ -59,7 +59,9 @@ def test_a_head_is_listed_but_cannot_serve(lib: Library) -> None:
     head = lib.entries["head"]
     assert head.hf is not None and head.hf.draft_head == "eagle"
     assert not head.usable and "EAGLE draft head" in (head.reason or ""), head.reason
-    assert lib.entries["head3"].hf is not None and lib.entries["head3"].hf.draft_head == "eagle3"
+    head3 = lib.entries["head3"]
+    assert head3.hf is not None and head3.hf.draft_head == "eagle3"
+    assert not head3.usable and "an EAGLE-3 draft head" in (head3.reason or ""), head3.reason
     # A whole model is no head.
     target = lib.entries["target"]
     assert target.usable and target.hf is not None and target.hf.draft_head is None

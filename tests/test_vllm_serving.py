@@ -33,9 +33,10 @@ if not VLLM_PYTHON:
     pytest.skip("no vLLM environment (make install-vllm)", allow_module_level=True)
 
 from tests.lora_support import random_adapter
-from tests.tiny_eagle import build_eagle_head
+from tests.tiny_eagle import build_eagle3_head, build_eagle_head
 from tests.tiny_hf import build_vllm_model, put_in_hub_cache
 from tests.tiny_vision import png
+from tests.vllm_drafting import assert_budget
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-vllm"
@@ -49,6 +50,8 @@ DRAFT_MAX = 4
 OTHER_VOCAB = "tiny-vllm-swapped"
 # An EAGLE draft head for MODEL's weights (tests/tiny_eagle.py): drafts for HUB_MODEL.
 HEAD = "tiny-vllm-eagle"
+# An EAGLE-3 head for the same weights.
+HEAD3 = "tiny-vllm-eagle3"
 # Long enough that a stream cancelled after its first chunk cannot have ended by itself.
 N_CTX = 16384
 
@@ -66,6 +69,7 @@ def srv() -> Iterator[Server]:
     put_in_hub_cache(models / MODEL, hub, HUB_MODEL)
     _swapped_vocab(models / MODEL, models / OTHER_VOCAB)
     build_eagle_head(models / MODEL, models / HEAD)
+    build_eagle3_head(models / MODEL, models / HEAD3)
     env = {"GPUVISOR_VLLM_PYTHON": VLLM_PYTHON, "GPUVISOR_PARALLEL": "2", "GPUVISOR_N_CTX": str(N_CTX),
            "HF_HUB_CACHE": str(hub), "GPUVISOR_OUTPUTS_DIR": str(outputs)}
     config = models.parent / f"{models.name}.toml"
@@ -379,7 +383,7 @@ def test_embeddings_through_the_pooling_runner(srv: Server) -> None:
     assert srv.worker(MODEL)["state"] == "ready"
 
 
-@pytest.mark.timeout(3 * START_S + 60)
+@pytest.mark.timeout(4 * START_S + 60)
 def test_a_hub_cache_snapshot_serves_and_drafts_with_the_same_text(srv: Server) -> None:
     models = {m["id"]: m for m in httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"]}
     assert (models[HUB_MODEL]["engine"], models[HUB_MODEL]["state"]) == ("vllm", "unloaded"), models.get(HUB_MODEL)
@@ -405,7 +409,8 @@ def test_a_hub_cache_snapshot_serves_and_drafts_with_the_same_text(srv: Server) 
         assert srv.worker(MODEL)["stats"]["draft_tokens"] == 0
         plain = same.json()["choices"][0]["message"]["content"]
         _drafts_with_a_draft_model(srv, body, plain)
-        _drafts_with_an_eagle_head(srv, body, plain)
+        _drafts_with_an_eagle_head(srv, body, plain, HEAD, "eagle")
+        _drafts_with_an_eagle_head(srv, body, plain, HEAD3, "eagle3")
     finally:  # one vLLM worker less for the tests after this one
         httpx.post(f"{srv.base_url}/api/models/{HUB_MODEL}/unload", timeout=60)
 
@@ -419,15 +424,16 @@ def _drafts_with_a_draft_model(srv: Server, body: dict[str, Any], plain: str) ->
     assert item["speculative"]["mode"] == "draft", item["speculative"]
 
 
-def _drafts_with_an_eagle_head(srv: Server, body: dict[str, Any], plain: str) -> None:
-    """HUB_MODEL reloaded with HEAD drafting for it (vLLM's "eagle" method):
-    a random head's drafts are mostly refused, and the text stays the
-    target's. The head is listed, but not as a model of its own; its one
-    layer takes 0.5 KiB of KV a token beside the target's 1 KiB."""
+def _drafts_with_an_eagle_head(srv: Server, body: dict[str, Any], plain: str, head: str, method: str) -> None:
+    """HUB_MODEL reloaded with ``head`` drafting for it (vLLM's ``method``,
+    "eagle" or "eagle3"): a random head's drafts are mostly refused, and the
+    text stays the target's. The head is listed, but not as a model of its
+    own; its one layer takes 0.5 KiB of KV a token beside the target's 1 KiB."""
     models = {m["id"]: m for m in httpx.get(srv.base_url + "/api/models", timeout=10).json()["data"]}
-    assert not models[HEAD]["usable"] and "EAGLE draft head" in models[HEAD]["reason"], models[HEAD]
-    _state, item = _reloaded_to_draft(srv, body, plain, HEAD, 1536)
-    assert item["speculative"]["mode"] == "eagle", item["speculative"]
+    kind = {"eagle": "an EAGLE draft head", "eagle3": "an EAGLE-3 draft head"}[method]
+    assert not models[head]["usable"] and kind in models[head]["reason"], models[head]
+    _state, item = _reloaded_to_draft(srv, body, plain, head, 1536)
+    assert item["speculative"]["mode"] == method, item["speculative"]
 
 
 def _reloaded_to_draft(srv: Server, body: dict[str, Any], plain: str, drafter: str,
@@ -449,11 +455,7 @@ def _reloaded_to_draft(srv: Server, body: dict[str, Any], plain: str, drafter: s
     item = httpx.get(f"{srv.base_url}/api/models/{HUB_MODEL}", timeout=10).json()
     shown = item["speculative"]
     assert (shown["draft_model"], shown["draft_max"]) == (drafter, 3), shown
-    tokens = N_CTX * 2 + 128
-    assert item["fit"]["kv_bytes"] == tokens * kv_per_token, item["fit"]
-    log = httpx.get(f"{srv.base_url}/api/models/{HUB_MODEL}/log", timeout=10).text
-    found = re.findall(r"KV cache size: ([\d,]+) tokens", log)
-    assert found and int(found[-1].replace(",", "")) == tokens, log[-2000:]
+    assert_budget(srv, HUB_MODEL, item, kv_per_token, n_ctx=N_CTX)
     return dict(state), dict(item)
 
 

@@ -56,10 +56,11 @@ def drafts_and_keeps_its_text(srv: Server, model: str, load: dict[str, Any]) -> 
     return dict(httpx.get(f"{srv.base_url}/api/models/{model}", timeout=10).json())
 
 
-def assert_budget(srv: Server, model: str, item: dict[str, Any], bytes_per_token: int) -> None:
-    """The fit holds N_CTX tokens for each of 2 sequences (and the held page)
-    at ``bytes_per_token``, and vLLM's log counts as many tokens in it."""
-    tokens = N_CTX * 2 + HELD_PAGE_TOKENS
+def assert_budget(srv: Server, model: str, item: dict[str, Any], bytes_per_token: int,
+                  n_ctx: int = N_CTX) -> None:
+    """The fit holds ``n_ctx`` tokens for each of 2 sequences (and the held
+    page) at ``bytes_per_token``, and vLLM's log counts as many tokens in it."""
+    tokens = n_ctx * 2 + HELD_PAGE_TOKENS
     assert item["fit"]["kv_bytes"] == tokens * bytes_per_token, item["fit"]
     log = httpx.get(f"{srv.base_url}/api/models/{model}/log", timeout=10).text
     found = re.findall(r"KV cache size: ([\d,]+) tokens", log)

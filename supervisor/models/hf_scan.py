@@ -159,7 +159,8 @@ def _entry(root: Path, model_dir: Path, stats: dict[str, os.stat_result], facts:
     rel = model_dir.relative_to(root).as_posix()
     if info is not None and info.draft_head is not None and problem is None:
         # Listed, so that a target can name it as its draft_model (supervisor/models/hf_draft.py).
-        problem = (f"an {info.draft_head.upper()} draft head, not a model: it drafts for a model of its "
+        kind = {"eagle": "EAGLE", "eagle3": "EAGLE-3"}[info.draft_head]
+        problem = (f"an {kind} draft head, not a model: it drafts for a model of its "
                    'hidden size and vocabulary (speculative = "draft", draft_model = this id)')
     return ModelEntry(
         id=model_id or (model_dir.name if rel == "." else rel),
