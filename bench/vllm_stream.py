@@ -45,6 +45,8 @@ PROMPT = "Once upon a time"
 N_CTX = 2048
 PARALLEL = 8
 STREAMS = (1, 8)
+# The pause before each measured run, for the other side to go quiet (see measure).
+QUIET_S = 3.0
 
 
 @dataclass
@@ -147,6 +149,12 @@ def measure(sides: list[tuple[str, Side]], tokens: int, runs: int) -> Results:
     for run in range(runs):
         for n in STREAMS:
             for name, go in sides if run % 2 == 0 else list(reversed(sides)):
+                # Each side's vLLM model process keeps a core busy for about a
+                # second after its streams end (its message queue polls before
+                # it sleeps), and on the CPU build both sides' model processes
+                # bind the same core: without the pause a side is measured
+                # against the last one's polling.
+                time.sleep(QUIET_S)
                 got = go(n, tokens)
                 if any(s.tokens != tokens for s in got):
                     raise RuntimeError(f"{name}: a stream ended early: {[s.tokens for s in got]}")
