@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def build_eagle_head(target: Path, out: Path, seed: int = 0) -> Path:
@@ -24,21 +26,10 @@ def build_eagle_head(target: Path, out: Path, seed: int = 0) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    cfg = json.loads((target / "config.json").read_text())
+    cfg, rand, dtype = _head_dir(target, out, {}, seed)
     hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
     heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
     head_dim = hidden // heads
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (target / name).is_file():
-            shutil.copy(target / name, out / name)
-    gen = torch.Generator().manual_seed(seed)
-    dtype = getattr(torch, str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"))
-
-    def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * 0.05).to(dtype)
-
     layer = "layers.0."
     tensors = {
         "fc.weight": rand(hidden, 2 * hidden),
@@ -63,22 +54,13 @@ def build_eagle3_head(target: Path, out: Path, seed: int = 0) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    cfg = json.loads((target / "config.json").read_text())
+    vocab = int(json.loads((target / "config.json").read_text())["vocab_size"])
+    settings = {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": vocab,
+                "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
+    cfg, rand, dtype = _head_dir(target, out, settings, seed)
     hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
     heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
-    head_dim, vocab = hidden // heads, int(cfg["vocab_size"])
-    out.mkdir(parents=True, exist_ok=True)
-    head_cfg = {**cfg, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
-                "draft_vocab_size": vocab, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
-    (out / "config.json").write_text(json.dumps(head_cfg, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (target / name).is_file():
-            shutil.copy(target / name, out / name)
-    gen = torch.Generator().manual_seed(seed)
-    dtype = getattr(torch, str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"))
-
-    def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * 0.05).to(dtype)
+    head_dim = hidden // heads
 
     def ones() -> torch.Tensor:
         return torch.ones(hidden, dtype=dtype)
@@ -101,3 +83,26 @@ def build_eagle3_head(target: Path, out: Path, seed: int = 0) -> Path:
     }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def _head_dir(target: Path, out: Path, settings: dict[str, Any], seed: int
+              ) -> tuple[dict[str, Any], Callable[..., Any], Any]:
+    """Start a one-layer head dir for ``target``: its config.json (the
+    target's, with ``settings`` over it), the target's tokenizer files (so
+    the library can tell that the two share a vocabulary). The target's
+    config, small random tensors of its dtype from ``seed``, and the dtype."""
+    import torch
+
+    cfg: dict[str, Any] = json.loads((target / "config.json").read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1, **settings}, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (target / name).is_file():
+            shutil.copy(target / name, out / name)
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"))
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.05).to(dtype)
+
+    return cfg, rand, dtype
