@@ -211,8 +211,7 @@ def test_another_callers_request_gets_a_place_and_the_next_free_slot() -> None:
             assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
             tasks.append(asyncio.create_task(send("b", bob, _body(4, content="hi"))))
             # Bob's takes a4's place: a4 is answered, a3 and b wait.
-            while "a4" not in done:
-                await asyncio.sleep(0.02)
+            await asyncio.wait_for(asyncio.shield(tasks[1]), 60)
             await asyncio.to_thread(_wait_admin, srv, lambda w: w["queued"] == 2)
             first_free = time.monotonic()
             await _release(holders[:1])
