@@ -1,7 +1,7 @@
 """A Hugging Face model served by a vLLM worker through the real server: its
 fit's KV budget, streamed deltas, cancel, parallel requests, speculative
-decoding (vLLM's prompt lookup, a draft model, an EAGLE and an EAGLE-3 head keep the
-greedy text).
+decoding (vLLM's prompt lookup, a draft model, an EAGLE and an EAGLE-3
+head keep the greedy text).
 
 One worker for the whole module: vLLM's start takes half a minute on the
 CPU. Needs the vLLM environment (``make install-vllm``) and the train extra
