@@ -152,6 +152,7 @@ def test_a_sigkill_mid_stream_ends_the_stream_cleanly_and_restarts(srv: Server) 
     pid = int(worker["pid"])
     pgid = os.getpgid(pid)
     tree = _tree(pid)
+    workers = srv.workers()
     out: dict[str, Any] = {"started": threading.Event()}
     streamer = threading.Thread(target=_stream, args=(srv, N_CTX - 100, out))
     streamer.start()
@@ -160,7 +161,9 @@ def test_a_sigkill_mid_stream_ends_the_stream_cleanly_and_restarts(srv: Server) 
     streamer.join(60)
     # The client's stream ends with an error object and the stream's usual end.
     assert out["status"] == 200 and out.get("done"), out
-    assert out["events"][-1].get("error", {}).get("code") == "worker_crashed", out["events"][-3:]
+    assert out["events"][-1].get("error", {}).get("code") == "worker_crashed", (
+        f"killed {pid}; workers before: {workers}; now: {srv.workers()}; last events: "
+        + json.dumps(out["events"][-3:]))
     # No vLLM engine process outlives its worker: the whole group is gone.
     _gone, alive = psutil.wait_procs(tree, timeout=30)
     assert not alive and not _group(pgid), (alive, _group(pgid))
